@@ -1,0 +1,30 @@
+"""The errors mpx raises for bad user input.
+
+Every error derives from :class:`MPXError`, itself a :class:`ValueError`, so
+``except ValueError`` keeps working for code that does not know mpx.  Each
+message names the offending field or token and says what would be accepted.
+"""
+
+from __future__ import annotations
+
+__all__ = ["DTypeError", "MPXError", "PolicyError", "ScalerConfigError", "StateDictError"]
+
+
+class MPXError(ValueError):
+    """Base class of every user-facing mpx error."""
+
+
+class DTypeError(MPXError):
+    """A value could not be read as one of mpx's floating dtypes."""
+
+
+class PolicyError(MPXError):
+    """A policy spec (string, dict or fields) is malformed."""
+
+
+class ScalerConfigError(MPXError):
+    """A loss-scaler configuration value is out of its allowed range."""
+
+
+class StateDictError(MPXError):
+    """A scaler state dict is malformed, tampered with or of another format."""
