@@ -1,3 +1,143 @@
-"""The ``mpx`` command (placeholder, replaced below)."""
-def main(argv=None):  # pragma: no cover
+"""The ``mpx`` command line: ``mpx --version``, ``mpx policy show SPEC``, ``mpx policy list``.
+
+Bad usage exits 2 with one line on stderr and no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from typing import NoReturn
+
+from mpx._version import __version__
+from mpx.errors import MPXError
+from mpx.ops import OP_TABLE
+from mpx.policy import CATEGORIES, PRESET_ALIASES, PRESETS, Policy, get_policy
+from mpx.scaling import ScalerConfig
+
+__all__ = ["main"]
+
+
+class UsageError(Exception):
+    """Bad command-line usage (exit status 2)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def _describe(policy: Policy) -> dict:
+    scaler = ScalerConfig.for_policy(policy)
+    return {
+        "policy": str(policy),
+        "name": policy.name,
+        "param_dtype": policy.param_dtype,
+        "compute_dtype": policy.compute_dtype,
+        "output_dtype": policy.output_dtype,
+        "keep_fp32": list(policy.keep_fp32),
+        "rules": [{"selector": rule.selector, "policy": str(rule.policy)} for rule in policy.rules()],
+        "loss_scaling": scaler.kind,
+        "ops": {
+            op: {
+                "class": OP_TABLE.classify(op, policy).value,
+                "result_dtype": OP_TABLE.result_dtype(op, policy, [policy.param_dtype]),
+            }
+            for op in OP_TABLE
+        },
+    }
+
+
+def _show(args: argparse.Namespace) -> int:
+    try:
+        policy = get_policy(args.spec)
+    except MPXError as err:
+        raise UsageError(f"mpx policy show: {err}") from None
+    info = _describe(policy)
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print(f"policy   {info['policy']}" + (f"  ({info['name']})" if info["name"] else ""))
+    print(f"params   {policy.param_dtype}")
+    print(f"compute  {policy.compute_dtype}")
+    print(f"output   {policy.output_dtype}")
+    print(f"keep_fp32 {'+'.join(policy.keep_fp32) or 'none'}")
+    print(f"loss scaling (default) {info['loss_scaling']}")
+    print("rules (last match wins):" if info["rules"] else "rules: none")
+    for rule in info["rules"]:
+        print(f"  {rule['selector']:<28} -> {rule['policy']}")
+    print(f"ops (result dtype for {policy.param_dtype} inputs):")
+    width = max(map(len, OP_TABLE))
+    for op, row in info["ops"].items():
+        print(f"  {op:<{width}}  {row['class']:<11}  {row['result_dtype']}")
     return 0
+
+
+def _list(args: argparse.Namespace) -> int:
+    for name, policy in PRESETS.items():
+        aliases = ", ".join(a for a, target in PRESET_ALIASES.items() if target == name)
+        print(f"{name:<15} {policy!s:<48} aliases: {aliases}")
+    print(f"categories for keep_fp32 and category: selectors: {', '.join(CATEGORIES)}")
+    return 0
+
+
+def _conformance(args: argparse.Namespace) -> int:
+    from conformance.runner import main as run  # the suite ships in the same distribution
+
+    return run(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="mpx", description="One mixed-precision policy for PyTorch, Keras and JAX.")
+    parser.add_argument("--version", action="version", version=f"mpx {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    policy = commands.add_parser("policy", help="inspect policies")
+    policy_commands = policy.add_subparsers(dest="policy_command", metavar="SUBCOMMAND", parser_class=_Parser)
+    show = policy_commands.add_parser("show", help="print a policy's dtypes, rules and op table")
+    show.add_argument(
+        "spec", help="a preset (mixed_float16), an alias (bf16-mixed) or keys (params=...,compute=...)"
+    )
+    show.add_argument("--json", action="store_true", help="print JSON instead of text")
+    show.set_defaults(run=_show)
+    listing = policy_commands.add_parser("list", help="list the presets and their aliases")
+    listing.set_defaults(run=_list)
+    try:
+        from conformance.runner import add_arguments
+    except ImportError:  # pragma: no cover - the suite is part of the distribution
+        add_arguments = None
+    if add_arguments is not None:
+        conf = commands.add_parser("conformance", help="run the conformance suite and write reports")
+        add_arguments(conf)
+        conf.set_defaults(run=_conformance)
+    return parser
+
+
+def _command_names(parser: argparse.ArgumentParser) -> list[str]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return list(action.choices)
+    return []
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        run: Callable[[argparse.Namespace], int] | None = getattr(args, "run", None)
+        if run is None:
+            if args.command == "policy":
+                raise UsageError("mpx policy: a subcommand is required: show SPEC, list")
+            raise UsageError(f"mpx: a command is required: {', '.join(_command_names(parser))}")
+        return run(args)
+    except UsageError as err:
+        print(str(err), file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # pragma: no cover - `mpx policy show x | head`
+        return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

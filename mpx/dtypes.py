@@ -79,9 +79,7 @@ def _framework_dtype_name(value: Any) -> str | None:
     return None
 
 
-def canonical_dtype(
-    value: Any, *, field: str = "dtype", allowed: Iterable[str] = FLOATING_DTYPES
-) -> str:
+def canonical_dtype(value: Any, *, field: str = "dtype", allowed: Iterable[str] = FLOATING_DTYPES) -> str:
     """Return the canonical name of ``value``, a dtype name, alias or dtype object.
 
     Accepts the canonical names, the aliases (``f32 fp32 float full``,
@@ -111,7 +109,13 @@ def canonical_dtype(
     else:
         name = _framework_dtype_name(value)
         if name is None:
+            # Only real dtypes: np.dtype(None) and np.dtype(float) would silently mean float64.
+            is_dtype = isinstance(value, np.dtype) or (
+                isinstance(value, type) and issubclass(value, np.generic)
+            )
             try:
+                if not is_dtype:
+                    raise TypeError
                 np_dtype = np.dtype(value)
             except TypeError:
                 raise DTypeError(
@@ -120,9 +124,7 @@ def canonical_dtype(
                 ) from None
             name = _BY_NUMPY.get(np_dtype, np_dtype.name)
         if name not in _NUMPY:
-            raise DTypeError(
-                f"{field}: {name!r} is not a floating dtype; allowed: {_allowed(allowed)}"
-            )
+            raise DTypeError(f"{field}: {name!r} is not a floating dtype; allowed: {_allowed(allowed)}")
     if name not in allowed:
         raise DTypeError(f"{field}: {name!r} is not allowed here; allowed: {_allowed(allowed)}")
     return name

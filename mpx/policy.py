@@ -22,7 +22,7 @@ import fnmatch
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 from mpx.dtypes import FLOATING_DTYPES, HALF_DTYPES, canonical_dtype
 from mpx.errors import DTypeError, PolicyError
@@ -100,9 +100,7 @@ def _categories(value: Any) -> tuple[str, ...]:
     seen: set[str] = set()
     for item in items:
         if item not in CATEGORIES:
-            raise PolicyError(
-                f"keep_fp32: unknown category {item!r}; allowed: {', '.join(CATEGORIES)}"
-            )
+            raise PolicyError(f"keep_fp32: unknown category {item!r}; allowed: {', '.join(CATEGORIES)}")
         if item in seen:
             raise PolicyError(f"keep_fp32: category {item!r} is named twice")
         seen.add(item)
@@ -111,9 +109,7 @@ def _categories(value: Any) -> tuple[str, ...]:
 
 def _check_selector(selector: Any) -> str:
     if not isinstance(selector, str) or not selector:
-        raise PolicyError(
-            f"selector: expected a module-path glob or 'category:NAME', got {selector!r}"
-        )
+        raise PolicyError(f"selector: expected a module-path glob or 'category:NAME', got {selector!r}")
     if selector.startswith("category:"):
         name = selector[len("category:") :]
         if name not in CATEGORIES:
@@ -196,9 +192,7 @@ class Policy:
         set_(self, "compute_dtype", _dtype(self.compute_dtype, "compute"))
         set_(self, "output_dtype", _dtype(self.output_dtype, "output"))
         keep = (
-            _default_keep_fp32(self.compute_dtype)
-            if self.keep_fp32 is None
-            else _categories(self.keep_fp32)
+            _default_keep_fp32(self.compute_dtype) if self.keep_fp32 is None else _categories(self.keep_fp32)
         )
         set_(self, "keep_fp32", keep)
         if isinstance(self.overrides, (str, Mapping)):
@@ -323,7 +317,7 @@ class Policy:
         return f'<Policy "{self.name or self}">'
 
 
-PolicySpec = Union[Policy, str, Mapping[str, Any]]
+PolicySpec = Policy | str | Mapping[str, Any]
 
 #: The preset policies by name.
 PRESETS: dict[str, Policy] = {name: Policy(*dts) for name, dts in _PRESET_DTYPES.items()}
@@ -364,17 +358,13 @@ def _names() -> str:
 def _parse(text: str, *, nested: bool) -> Policy:
     spec = text.strip()
     if not spec:
-        raise PolicyError(
-            f"policy spec is empty; allowed: a preset ({_names()}) or the key form {_GRAMMAR}"
-        )
+        raise PolicyError(f"policy spec is empty; allowed: a preset ({_names()}) or the key form {_GRAMMAR}")
     if spec in _PRESET_DTYPES:
         return PRESETS[spec]
     if spec in PRESET_ALIASES:
         return PRESETS[PRESET_ALIASES[spec]]
     if "=" not in spec:
-        raise PolicyError(
-            f"unknown policy name {spec!r}; allowed: {_names()}, or the key form {_GRAMMAR}"
-        )
+        raise PolicyError(f"unknown policy name {spec!r}; allowed: {_names()}, or the key form {_GRAMMAR}")
     values: dict[str, str] = {}
     spelled: dict[str, str] = {}
     rules: list[Override] = []
@@ -393,32 +383,26 @@ def _parse(text: str, *, nested: bool) -> Policy:
             selector, sep, body = segment[1:].partition("=")
             selector, body = selector.strip(), body.strip()
             if not sep or not (body.startswith("{") and body.endswith("}")):
-                raise PolicyError(
-                    f"policy spec {spec!r}: override {segment!r} must read @SELECTOR={{SPEC}}"
-                )
+                raise PolicyError(f"policy spec {spec!r}: override {segment!r} must read @SELECTOR={{SPEC}}")
             rules.append(Override(_check_selector(selector), _parse(body[1:-1], nested=True)))
             continue
         key, sep, value = segment.partition("=")
         key, value = key.strip(), value.strip()
         if not sep:
             raise PolicyError(
-                f"policy spec {spec!r}: segment {segment!r} is not KEY=VALUE; "
-                f"keys: {', '.join(_KEYS)}"
+                f"policy spec {spec!r}: segment {segment!r} is not KEY=VALUE; keys: {', '.join(_KEYS)}"
             )
         if not key:
             raise PolicyError(f"policy spec {spec!r}: segment {segment!r} has no key before '='")
         if "=" in value or "{" in value or "}" in value:
             raise PolicyError(
-                f"policy spec {spec!r}: segment {segment!r} has a stray '=' or brace; "
-                "separate keys with ','"
+                f"policy spec {spec!r}: segment {segment!r} has a stray '=' or brace; separate keys with ','"
             )
         if not value:
             raise PolicyError(f"policy spec {spec!r}: key {key!r} has no value")
         canon = _KEYS.get(key)
         if canon is None:
-            raise PolicyError(
-                f"policy spec {spec!r}: unknown key {key!r}; allowed: {', '.join(_KEYS)}"
-            )
+            raise PolicyError(f"policy spec {spec!r}: unknown key {key!r}; allowed: {', '.join(_KEYS)}")
         if canon in values:
             raise PolicyError(
                 f"policy spec {spec!r}: key {key!r} repeats {spelled[canon]!r} "
@@ -476,6 +460,4 @@ def get_policy(spec: PolicySpec) -> Policy:
         return _parse(spec, nested=False)
     if isinstance(spec, Mapping):
         return Policy.from_dict(spec)
-    raise PolicyError(
-        f"policy: expected an mpx.Policy, a spec string or a dict, got {type(spec).__name__}"
-    )
+    raise PolicyError(f"policy: expected an mpx.Policy, a spec string or a dict, got {type(spec).__name__}")

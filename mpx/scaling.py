@@ -42,8 +42,15 @@ _F32_MAX = float(np.finfo(np.float32).max)
 
 
 def f32(x: float) -> float:
-    """``x`` rounded to the nearest float32, as a Python float."""
-    return float(np.float32(x))
+    """``x`` rounded to the nearest float32, as a Python float (inf past float32's range)."""
+    with np.errstate(over="ignore"):
+        return float(np.float32(x))
+
+
+def mul32(a: float, b: float) -> float:
+    """``float32(a) * float32(b)`` rounded to float32 (inf on overflow), as a Python float."""
+    with np.errstate(over="ignore"):
+        return float(np.float32(a) * np.float32(b))
 
 
 def _is_number(value: Any) -> bool:
@@ -207,14 +214,14 @@ def scaler_update(config: ScalerConfig, state: ScalerState, finite: bool) -> Sca
         if finite:
             tracker += 1
             if tracker == config.growth_interval:
-                grown = float(np.float32(scale) * np.float32(config.growth_factor))
+                grown = mul32(scale, config.growth_factor)
                 if math.isfinite(grown):
                     scale = min(grown, hi)
                 tracker = 0
         else:
             tracker = 0
             if consecutive >= config.hysteresis:
-                scale = max(float(np.float32(scale) * np.float32(config.backoff_factor)), lo)
+                scale = max(mul32(scale, config.backoff_factor), lo)
     return ScalerState(
         scale=scale,
         growth_tracker=tracker,
@@ -253,7 +260,9 @@ def load_state_dict(data: Mapping[str, Any]) -> tuple[ScalerConfig, ScalerState]
         raise err(f"format: expected {STATE_DICT_FORMAT!r}, got {data.get('format')!r}")
     missing = [k for k in _KEYS if k not in data]
     if missing:
-        raise err(f"state dict: missing key {missing[0]!r}; a {STATE_DICT_FORMAT} dict has {', '.join(_KEYS)}")
+        raise err(
+            f"state dict: missing key {missing[0]!r}; a {STATE_DICT_FORMAT} dict has {', '.join(_KEYS)}"
+        )
     unknown = [k for k in data if k not in _KEYS]
     if unknown:
         raise err(f"state dict: unknown key {unknown[0]!r}; allowed: {', '.join(_KEYS)}")
@@ -306,7 +315,9 @@ class LossScaler:
         if config is None:
             config = ScalerConfig()
         if not isinstance(config, ScalerConfig):
-            raise ScalerConfigError(f"config: expected an mpx.ScalerConfig or None, got {type(config).__name__}")
+            raise ScalerConfigError(
+                f"config: expected an mpx.ScalerConfig or None, got {type(config).__name__}"
+            )
         self._config = config
         self._state = scaler_init(config)
 

@@ -1,0 +1,296 @@
+import dataclasses
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import mpx
+from mpx import Policy, PolicyError, get_policy
+
+F32, F16, BF16, F64 = "float32", "float16", "bfloat16", "float64"
+ALL3 = ("normalization", "softmax", "loss")
+
+EXPECTED = {
+    # presets
+    "float32": (F32, F32, F32),
+    "mixed_float16": (F32, F16, F32),
+    "mixed_bfloat16": (F32, BF16, F32),
+    "float16": (F16, F16, F16),
+    "bfloat16": (BF16, BF16, BF16),
+    # Lightning
+    "32-true": (F32, F32, F32),
+    "16-mixed": (F32, F16, F32),
+    "bf16-mixed": (F32, BF16, F32),
+    "16-true": (F16, F16, F16),
+    "bf16-true": (BF16, BF16, BF16),
+    # Accelerate
+    "no": (F32, F32, F32),
+    "fp16": (F32, F16, F32),
+    "bf16": (F32, BF16, F32),
+    # key grammar and its defaults
+    "params=float32,compute=float16,output=float32": (F32, F16, F32),
+    "p=f32,c=bf16,o=f32": (F32, BF16, F32),
+    " params = fp32 , compute = half , output = float ": (F32, F16, F32),
+    "compute=bf16": (F32, BF16, BF16),  # params defaults to float32, output to compute
+    "c=f16,o=f32": (F32, F16, F32),
+    "params=bf16": (BF16, BF16, BF16),  # compute defaults to params
+    "p=f64": (F64, F64, F64),
+    "o=f16": (F32, F32, F16),
+    "output=f32,compute=f16,params=f16": (F16, F16, F32),  # any key order
+}
+
+
+@pytest.mark.parametrize("spec,dtypes", EXPECTED.items())
+def test_spec_dtypes(spec, dtypes):
+    p = get_policy(spec)
+    assert (p.param_dtype, p.compute_dtype, p.output_dtype) == dtypes
+    assert p.keep_fp32 == (ALL3 if dtypes[1] in (F16, BF16) else ())
+    assert p.overrides == ()
+
+
+@pytest.mark.parametrize("spec", EXPECTED)
+def test_str_is_canonical_and_round_trips(spec):
+    p = get_policy(spec)
+    text = str(p)
+    assert text.startswith("params=") and " " not in text
+    assert get_policy(text) == p
+    assert str(get_policy(text)) == text
+    assert Policy.from_dict(json.loads(json.dumps(p.to_dict()))) == p
+
+
+def test_mixed_preset_equals_its_key_form_and_direct_construction():
+    assert get_policy("mixed_float16") == get_policy("params=float32,compute=float16,output=float32")
+    assert get_policy("mixed_float16") == Policy("float32", "float16", "float32")
+    assert hash(get_policy("16-mixed")) == hash(Policy("f32", "fp16", "float"))
+    assert get_policy("mixed_bfloat16").name == "mixed_bfloat16"
+    assert get_policy("c=bf16").name is None
+
+
+def test_policy_is_frozen_and_hashable():
+    p = get_policy("mixed_float16")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.compute_dtype = "float32"  # type: ignore[misc]
+    assert {p: 1}[get_policy("fp16")] == 1
+
+
+def test_repr():
+    assert repr(get_policy("bf16-mixed")) == '<Policy "mixed_bfloat16">'
+    assert repr(get_policy("c=f16")) == '<Policy "params=float32,compute=float16,output=float16">'
+
+
+def test_get_policy_passes_policies_through():
+    p = get_policy("mixed_float16")
+    assert get_policy(p) is p
+    assert get_policy(p.to_dict()) == p
+
+
+BAD = {
+    "": "empty",
+    "   ": "empty",
+    "mixed": "unknown policy name 'mixed'",
+    "FP16": "unknown policy name 'FP16'",
+    "mixed_float16,keep_fp32=none": "unknown key 'mixed_float16,keep_fp32'|is not KEY=VALUE",
+    "params=float32,,compute=float16": "segment 2 is empty",
+    ",compute=float16": "segment 1 is empty",
+    "compute=float16,": "segment 2 is empty",
+    "p=f32,params=f16": "key 'params' repeats 'p'",
+    "compute=f16,compute=f16": "key 'compute' repeats 'compute'",
+    "compute=int8": "compute: 'int8' is not a floating dtype",
+    "params=int32": "params: 'int32' is not a floating dtype",
+    "output=bool": "output: 'bool' is not a floating dtype",
+    "compute=float8_e4m3fn": "compute: 'float8_e4m3fn' is not allowed here",
+    "compute=": "key 'compute' has no value",
+    "=float16": "has no key",
+    "compute==float16": "stray '='",
+    "compute=float16=float32": "stray '='",
+    "precision=16": "unknown key 'precision'",
+    "c=f16;o=f32": "stray '='",
+    "c=f16;": "'f16;' is not a floating dtype",
+    "keep_fp32=none": "names no dtype",
+    "c=f16,keep_fp32=": "key 'keep_fp32' has no value",
+    "c=f16,keep_fp32=norms": "unknown category 'norms'",
+    "c=f16,keep_fp32=loss+loss": "category 'loss' is named twice",
+    "c=f16,keep_fp32=loss++softmax": "has an empty name",
+    "c=f16,keep_fp32=none+loss": "unknown category 'none'",
+    "c=f16,@enc.norm=float32": "must read @SELECTOR={SPEC}",
+    "c=f16,@={c=f32}": "selector: expected",
+    "c=f16,@category:norm={c=f32}": "unknown category 'norm'",
+    "c=f16,@a b={c=f32}": "is not a module-path glob",
+    "c=f16,@x={c=f32,@y={c=f16}}": "cannot have overrides",
+    "c=f16,@x={c=f32": "unmatched '{'",
+    "c=f16}": "unmatched '}'",
+}
+
+
+@pytest.mark.parametrize("spec,message", BAD.items())
+def test_bad_specs_raise_policy_error(spec, message):
+    with pytest.raises(PolicyError, match=message):
+        get_policy(spec)
+
+
+@pytest.mark.parametrize("bad", [None, 16, 1.5, ["float16"], b"mixed_float16"])
+def test_bad_spec_types(bad):
+    with pytest.raises(PolicyError, match="policy: expected an mpx.Policy, a spec string or a dict"):
+        get_policy(bad)
+
+
+@pytest.mark.parametrize(
+    "data,message",
+    [
+        ({"param_dtype": F32, "compute_dtype": F16}, "missing key 'output_dtype'"),
+        ({"param_dtype": F32, "compute_dtype": F16, "output_dtype": F32, "x": 1}, "unknown key 'x'"),
+        ({"param_dtype": F32, "compute_dtype": "int8", "output_dtype": F32}, "compute: 'int8'"),
+        ({"param_dtype": F32, "compute_dtype": F16, "output_dtype": F32, "keep_fp32": "loss"}, "keep_fp32"),
+        ({"param_dtype": F32, "compute_dtype": F16, "output_dtype": F32, "overrides": [{"selector": "x"}]}, "override"),
+    ],
+)  # fmt: skip
+def test_bad_dicts(data, message):
+    with pytest.raises(PolicyError, match=message):
+        get_policy(data)
+
+
+def test_error_messages_say_what_is_allowed():
+    with pytest.raises(PolicyError) as info:
+        get_policy("mixd_float16")
+    text = str(info.value)
+    for name in ("float32", "mixed_float16", "mixed_bfloat16", "16-mixed", "bf16-true", "params=DTYPE"):
+        assert name in text
+
+
+# -- keep_fp32 and overrides ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", ["mixed_float16", "mixed_bfloat16", "float16", "bfloat16", "c=f16"])
+@pytest.mark.parametrize("category", ALL3)
+def test_half_policies_keep_sensitive_categories_in_float32(spec, category):
+    p = get_policy(spec)
+    sub = p.for_module("encoder.0.norm", category)
+    assert sub.compute_dtype == F32 and sub.output_dtype == F32
+    assert sub.param_dtype == p.param_dtype  # pure half policies keep half parameters
+    assert p.for_module("encoder.0.linear") is p
+
+
+def test_float32_policies_keep_nothing():
+    assert get_policy("float32").keep_fp32 == ()
+    assert get_policy("float32").for_module("norm", "normalization") == get_policy("float32")
+
+
+@pytest.mark.parametrize(
+    "spec,keep",
+    [
+        ("c=f16,keep_fp32=none", ()),
+        ("c=f16,keep_fp32=loss", ("loss",)),
+        ("c=f16,keep_fp32=loss+normalization", ("normalization", "loss")),
+        ("c=f16,keep_fp32=softmax+loss+normalization", ALL3),
+        ("keep_fp32=loss,c=f32", ("loss",)),
+    ],
+)
+def test_keep_fp32_key(spec, keep):
+    p = get_policy(spec)
+    assert p.keep_fp32 == keep
+    assert get_policy(str(p)) == p
+    for category in ALL3:
+        expected = F32 if category in keep else p.compute_dtype
+        assert p.for_module("m", category).compute_dtype == expected
+
+
+def test_keep_fp32_written_only_when_not_default():
+    assert "keep_fp32" not in str(get_policy("c=f16,keep_fp32=normalization+softmax+loss"))
+    assert str(get_policy("c=f16,keep_fp32=none")).endswith(",keep_fp32=none")
+    assert str(get_policy("c=f32,keep_fp32=loss")).endswith(",keep_fp32=loss")
+    assert get_policy("c=f16,keep_fp32=none") != get_policy("mixed_float16")
+
+
+def test_overrides_last_match_wins_and_round_trip():
+    p = get_policy("mixed_bfloat16").with_overrides(
+        [("encoder.*", "float32"), ("encoder.*.norm", "c=f16"), ("category:loss", "p=f32,c=bf16,o=f32")]
+    )
+    assert p.for_module("encoder.1.attn").compute_dtype == F32
+    assert p.for_module("encoder.1.norm").compute_dtype == F16  # later rule wins
+    assert p.for_module("encoder.1.norm", "normalization").compute_dtype == F16  # overrides beat keep_fp32
+    assert p.for_module("head", "loss").compute_dtype == BF16
+    assert p.for_module("head", "softmax").compute_dtype == F32
+    assert p.for_module("decoder.0").compute_dtype == BF16
+    assert get_policy(str(p)) == p
+    assert Policy.from_dict(json.loads(json.dumps(p.to_dict()))) == p
+    assert str(p) == (
+        "params=float32,compute=bfloat16,output=float32"
+        ",@encoder.*={params=float32,compute=float32,output=float32}"
+        ",@encoder.*.norm={params=float32,compute=float16,output=float16}"
+        ",@category:loss={params=float32,compute=bfloat16,output=float32}"
+    )
+
+
+def test_with_overrides_accepts_mapping_and_override_objects():
+    base = get_policy("mixed_float16")
+    a = base.with_overrides({"head": "float32"})
+    b = base.with_overrides([mpx.Override("head", get_policy("float32"))])
+    assert a == b and a != base and base.overrides == ()
+
+
+@pytest.mark.parametrize(
+    "call,message",
+    [
+        (lambda p: p.for_module("x", "norm"), "category: unknown category 'norm'"),
+        (lambda p: p.for_module(3), "path: expected"),
+        (lambda p: p.with_overrides({"": "float32"}), "selector"),
+        (lambda p: p.with_overrides({"x": "int8"}), "int8"),
+        (lambda p: p.with_overrides({"x": get_policy("float32").with_overrides({"y": "c=f16"})}), "cannot have overrides"),
+        (lambda p: Policy(F32, F16, F32, keep_fp32="loss"), "keep_fp32: expected a sequence"),
+        (lambda p: Policy(F32, F16, F32, overrides="x"), "overrides: expected"),
+    ],
+)  # fmt: skip
+def test_bad_rules(call, message):
+    with pytest.raises(PolicyError, match=message):
+        call(get_policy("mixed_float16"))
+
+
+# -- properties ----------------------------------------------------------------------
+
+DTYPE_TOKENS = st.sampled_from(
+    ["float32", "f32", "fp32", "float16", "half", "fp16", "bfloat16", "bf16", "f64", "double"]
+)
+KEY_NAMES = {"params": ["p", "params"], "compute": ["c", "compute"], "output": ["o", "output"]}
+SPACE = st.sampled_from(["", " ", "  "])
+
+
+@st.composite
+def key_specs(draw):
+    keys = draw(st.lists(st.sampled_from(list(KEY_NAMES)), min_size=1, max_size=3, unique=True))
+    parts = []
+    chosen = {}
+    for key in keys:
+        value = draw(DTYPE_TOKENS)
+        chosen[key] = mpx.canonical_dtype(value)
+        parts.append(f"{draw(st.sampled_from(KEY_NAMES[key]))}{draw(SPACE)}={draw(SPACE)}{value}")
+    if draw(st.booleans()):
+        cats = draw(st.lists(st.sampled_from(ALL3), max_size=3, unique=True))
+        parts.append("keep_fp32=" + ("+".join(cats) or "none"))
+        chosen["keep"] = tuple(c for c in ALL3 if c in cats)
+    return (draw(SPACE) + ",").join(parts), chosen
+
+
+@settings(max_examples=300, deadline=None)
+@given(key_specs())
+def test_key_grammar_property(case):
+    spec, chosen = case
+    p = get_policy(spec)
+    params = chosen.get("params", F32)
+    compute = chosen.get("compute", params)
+    output = chosen.get("output", compute)
+    assert (p.param_dtype, p.compute_dtype, p.output_dtype) == (params, compute, output)
+    if "keep" in chosen:
+        assert p.keep_fp32 == chosen["keep"]
+    assert get_policy(str(p)) == p and str(get_policy(str(p))) == str(p)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet="pcoarmsetu=,{}@ 1632bfxl_+:.*", max_size=40))
+def test_arbitrary_text_parses_or_raises_policy_error(text):
+    try:
+        p = get_policy(text)
+    except PolicyError as err:
+        assert str(err)
+    else:
+        assert get_policy(str(p)) == p
