@@ -1,0 +1,242 @@
+"""The PyTorch adapter: natively torch.autocast + torch.amp.GradScaler, under mpx mpx_torch."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mpx
+from conformance.adapters._common import Skip, dtype_name, flag_gradient, max_rel_error, mlp_data, mlp_reference, op_input
+
+DEVICE = "cpu"
+TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
+
+
+def info() -> dict:
+    return {"version": f"torch {torch.__version__}", "device": DEVICE}
+
+
+def _mpx_torch():
+    import mpx_torch
+
+    return mpx_torch
+
+
+def _context(mode: str, policy: mpx.Policy):
+    if mode == "native":
+        if not policy.lowers_precision:
+            return contextlib.nullcontext()
+        return torch.autocast(DEVICE, dtype=TORCH_DTYPES[policy.compute_dtype])
+    return _mpx_torch().autocast(policy, device_type=DEVICE)
+
+
+def _t(shape, dtype, seed=0, positive=False):
+    return torch.from_numpy(op_input(shape, seed, positive)).to(TORCH_DTYPES[dtype])
+
+
+def _op(op: str, dtype: str, other: str | None) -> Any:
+    """(callable, args) for one canonical op on inputs of ``dtype``."""
+    x = _t((4, 8), dtype)
+    y = _t((4, 8), other or dtype, seed=1)
+    w = _t((6, 8), dtype, seed=2)
+    img = _t((1, 2, 6, 6), dtype)
+    table = {
+        "matmul": lambda: torch.matmul(x, _t((8, 3), dtype, 3)),
+        "linear": lambda: F.linear(x, w),
+        "conv": lambda: F.conv2d(img, _t((3, 2, 3, 3), dtype, 4)),
+        "conv_transpose": lambda: F.conv_transpose2d(img, _t((2, 3, 3, 3), dtype, 4)),
+        "bmm": lambda: torch.bmm(_t((2, 4, 8), dtype), _t((2, 8, 3), dtype, 5)),
+        "einsum": lambda: torch.einsum("ij,kj->ik", x, w),
+        "attention": lambda: F.scaled_dot_product_attention(_t((1, 2, 4, 8), dtype), _t((1, 2, 4, 8), dtype, 6), _t((1, 2, 4, 8), dtype, 7)),
+        "softmax": lambda: torch.softmax(x, dim=-1),
+        "log_softmax": lambda: F.log_softmax(x, dim=-1),
+        "layer_norm": lambda: F.layer_norm(x, (8,)),
+        "batch_norm": lambda: F.batch_norm(x, None, None, training=True),
+        "group_norm": lambda: F.group_norm(img, 2),
+        "rms_norm": lambda: F.rms_norm(x, (8,)),
+        "cross_entropy": lambda: F.cross_entropy(x, torch.tensor([0, 1, 2, 3])),
+        "nll_loss": lambda: F.nll_loss(x, torch.tensor([0, 1, 2, 3])),
+        "mse_loss": lambda: F.mse_loss(x, y),
+        "bce_with_logits": lambda: F.binary_cross_entropy_with_logits(x, torch.sigmoid(y)),
+        "exp": lambda: torch.exp(x),
+        "log": lambda: torch.log(_t((4, 8), dtype, positive=True)),
+        "pow": lambda: torch.pow(x, 2),
+        "sum": lambda: x.sum(),
+        "mean": lambda: x.mean(),
+        "cumsum": lambda: torch.cumsum(x, dim=0),
+        "prod": lambda: x.prod(),
+        "logsumexp": lambda: torch.logsumexp(x, dim=-1),
+        "vector_norm": lambda: torch.linalg.vector_norm(x),
+        "add": lambda: x + y,
+        "mul": lambda: x * y,
+        "cat": lambda: torch.cat([x, y]),
+        "stack": lambda: torch.stack([x, y]),
+        "where": lambda: torch.where(x > 0, x, y),
+        "relu": lambda: F.relu(x),
+        "gelu": lambda: F.gelu(x),
+        "max_pool": lambda: F.max_pool2d(img, 2),
+        "reshape": lambda: x.reshape(8, 4),
+        "transpose": lambda: x.transpose(0, 1),
+        "dropout": lambda: F.dropout(x, 0.5, training=True),
+        "embedding": lambda: F.embedding(torch.tensor([0, 2, 1]), w),
+    }  # fmt: skip
+    return table[op]
+
+
+def run_op(p: dict, mode: str) -> dict:
+    policy = mpx.get_policy(p["policy"])
+    fn = _op(p["op"], p["dtype"], p.get("other"))
+    with _context(mode, policy):
+        out = fn()
+    return {"dtype": dtype_name(out.dtype)}
+
+
+def run_policy(p: dict, mode: str) -> dict:
+    if mode == "native":
+        raise Skip("torch has no named policies: torch.autocast takes a dtype, parameters stay as created")
+    policy = mpx.get_policy(p["spec"])
+    model = nn.Sequential(nn.Linear(4, 3))
+    seen = {}
+    model[0].register_forward_hook(lambda m, i, o: seen.setdefault("compute", dtype_name(o.dtype)))
+    _mpx_torch().prepare(model, policy)
+    out = model(torch.randn(2, 4))
+    return {"params": dtype_name(model[0].weight.dtype), "compute": seen["compute"], "output": dtype_name(out.dtype)}
+
+
+def _native_scaler(cfg: mpx.ScalerConfig):
+    if cfg.kind != "dynamic":
+        raise Skip(f"torch.amp.GradScaler has no {cfg.kind!r} mode")
+    return torch.amp.GradScaler(
+        DEVICE, init_scale=cfg.init_scale, growth_factor=cfg.growth_factor,
+        backoff_factor=cfg.backoff_factor, growth_interval=cfg.growth_interval,
+    )  # fmt: skip
+
+
+def _scaler(mode: str, cfg: mpx.ScalerConfig):
+    return _native_scaler(cfg) if mode == "native" else _mpx_torch().GradScaler(cfg, device=DEVICE)
+
+
+def _train_flags(scaler, flags: list[bool]) -> tuple[list[float], int]:
+    param = nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([param], lr=0.1)
+    scales, skipped = [], 0
+    for finite in flags:
+        before = param.detach().clone()
+        opt.zero_grad()
+        loss = (param * flag_gradient(finite)).sum()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        scales.append(float(scaler.get_scale()))
+        skipped += bool(torch.equal(before, param.detach()))
+    return scales, skipped
+
+
+def run_scaler_trace(p: dict, mode: str) -> dict:
+    cfg = mpx.ScalerConfig.from_dict(p["config"])
+    native_defaults = mode == "native" and p.get("native_defaults")
+    scaler = torch.amp.GradScaler(DEVICE) if native_defaults else _scaler(mode, cfg)
+    scales, skipped = _train_flags(scaler, p["flags"])
+    return {"scales": scales, "skipped": skipped}
+
+
+def _snapshot(model: nn.Module, opt: torch.optim.Optimizer) -> list[bytes]:
+    tensors = [t.detach() for t in model.state_dict().values()]
+    for state in opt.state_dict()["state"].values():
+        tensors += [v for v in state.values() if torch.is_tensor(v)]
+    return [t.cpu().numpy().tobytes() for t in tensors]
+
+
+def run_skip(p: dict, mode: str) -> dict:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    if p["optimizer"] == "adam":
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    scaler = _scaler(mode, mpx.ScalerConfig())
+    x = torch.randn(8, 4)
+    changed, scales = [], []
+    for step in p["steps"]:
+        before = _snapshot(model, opt)
+        opt.zero_grad()
+        loss = model(x).sum() * flag_gradient(step == "ok", step)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        scales.append(float(scaler.get_scale()))
+        changed.append(_snapshot(model, opt) != before)
+    return {"changed": changed, "scale_halved": scales[1] == scales[0] / 2}
+
+
+class _MLP(nn.Module):
+    def __init__(self, d: dict[str, np.ndarray]) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 32)
+        self.fc2 = nn.Linear(32, 4)
+        with torch.no_grad():
+            self.fc1.weight.copy_(torch.from_numpy(d["w1"].T.copy()))
+            self.fc1.bias.copy_(torch.from_numpy(d["b1"]))
+            self.fc2.weight.copy_(torch.from_numpy(d["w2"].T.copy()))
+            self.fc2.bias.copy_(torch.from_numpy(d["b2"]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def run_numerics(p: dict, mode: str) -> dict:
+    policy = mpx.get_policy(p["policy"])
+    d = mlp_data(p["seed"])
+    model = _MLP(d)
+    x, y = torch.from_numpy(d["x"]), torch.from_numpy(d["y"])
+    if mode == "native":
+        with _context("native", policy):
+            out = model(x)
+            loss = F.mse_loss(out, y)
+    else:
+        _mpx_torch().prepare(model, policy)
+        with _context("mpx", policy):
+            loss = F.mse_loss(model(x), y)
+    loss.backward()
+    got = {
+        "loss": loss.detach().double().numpy(),
+        "w1": model.fc1.weight.grad.double().numpy().T, "b1": model.fc1.bias.grad.double().numpy(),
+        "w2": model.fc2.weight.grad.double().numpy().T, "b2": model.fc2.bias.grad.double().numpy(),
+    }  # fmt: skip
+    return {"max_rel_error": max_rel_error(got, mlp_reference(d)), "loss_dtype": dtype_name(loss.dtype)}
+
+
+def save_state(config: dict, flags: list[bool]) -> dict:
+    scaler = _mpx_torch().GradScaler(mpx.ScalerConfig(**config), device=DEVICE)
+    _train_flags(scaler, flags)
+    return scaler.state_dict()
+
+
+def run_portability_save(p: dict, mode: str) -> dict:
+    cfg = mpx.ScalerConfig.from_dict(p["config"])
+    scaler = _scaler(mode, cfg)
+    _train_flags(scaler, p["flags"])
+    return {"state_dict": scaler.state_dict()}
+
+
+def run_portability(p: dict, mode: str) -> dict:
+    cfg = mpx.ScalerConfig.from_dict(p["config"])
+    scaler = _scaler(mode, cfg)
+    scaler.load_state_dict(p["state_dict"])
+    scales, _ = _train_flags(scaler, p["flags"])
+    return {"scales": scales}
+
+
+KINDS = {
+    "policy": run_policy, "op": run_op, "scaler_trace": run_scaler_trace, "skip": run_skip,
+    "numerics": run_numerics, "portability_save": run_portability_save, "portability": run_portability,
+}  # fmt: skip
+
+
+def run(kind: str, params: dict, mode: str) -> Any:
+    return KINDS[kind](params, mode)

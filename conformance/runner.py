@@ -1,0 +1,159 @@
+"""``mpx conformance``: run every backend's worker in its own process and write the reports.
+
+Exit status: 0 when every mpx result passes, 1 when one fails (or a backend
+crashed), 2 for bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from conformance import cases as C
+from conformance import report
+from conformance.worker import BACKENDS, MODES
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--backend", action="append", metavar="NAME",
+        help=f"run only this backend (repeatable): {', '.join(BACKENDS)}; default: every installed one",
+    )  # fmt: skip
+    parser.add_argument("--out", type=Path, default=Path("mpx-report"), help="report folder (default: mpx-report)")
+    parser.add_argument("--only", default=None, metavar="PREFIX", help="run only cases whose id starts with PREFIX")
+    parser.add_argument("--quiet", action="store_true", help="no progress display")
+
+
+def _skip_rows(backend: str, why: str, only: str | None) -> list[dict]:
+    return [
+        {"case": c["id"], "group": c["group"], "backend": backend, "mode": mode, "status": "skip",
+         "expected": c["expected"], "observed": None, "detail": why}  # fmt: skip
+        for c in C.all_cases()
+        if not only or c["id"].startswith(only)
+        for mode in MODES
+    ]
+
+
+class Progress:
+    def __init__(self, total: int, quiet: bool) -> None:
+        self.total, self.done, self.quiet = total, 0, quiet
+        self.tty = sys.stderr.isatty()
+        self.last = 0.0
+
+    def step(self, backend: str, case: str) -> None:
+        self.done += 1
+        if self.quiet:
+            return
+        now = time.monotonic()
+        if self.tty:
+            sys.stderr.write(f"\r[{self.done:4d}/{self.total}] {backend:<5} {case[:60]:<60}")
+        elif now - self.last > 5 or self.done == self.total:
+            sys.stderr.write(f"[{self.done}/{self.total}] {backend} {case}\n")
+            self.last = now
+        sys.stderr.flush()
+
+    def note(self, text: str) -> None:
+        if not self.quiet:
+            sys.stderr.write(("\r" + " " * 80 + "\r" if self.tty else "") + text + "\n")
+            sys.stderr.flush()
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    env.setdefault("KERAS_BACKEND", "tensorflow")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+def run(backends: list[str], out: Path, only: str | None = None, quiet: bool = False) -> dict:
+    """Run the suite and return the report dict (also written to ``out``)."""
+    installed = [b for b in backends if importlib.util.find_spec(BACKENDS[b]) is not None]
+    per_backend = sum(1 for c in C.all_cases() if not only or c["id"].startswith(only)) * len(MODES)
+    progress = Progress(per_backend * len(installed), quiet)
+    started = time.monotonic()
+    results: list[dict] = []
+    meta: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="mpx-states-") as states:
+        for backend in installed:  # each backend saves the state the others resume from
+            subprocess.run(
+                [sys.executable, "-m", "conformance.worker", backend, "--states", states, "--save-states"],
+                env=_env(), cwd=ROOT, capture_output=True, text=True,
+            )  # fmt: skip
+        for backend in backends:
+            if backend not in installed:
+                meta[backend] = {"version": None, "device": None, "skipped": f"{BACKENDS[backend]} is not installed"}
+                results += _skip_rows(backend, f"{BACKENDS[backend]} is not installed", only)
+                continue
+            t0 = time.monotonic()
+            cmd = [sys.executable, "-m", "conformance.worker", backend, "--states", states]
+            if only:
+                cmd += ["--only", only]
+            proc = subprocess.Popen(cmd, env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            assert proc.stdout is not None
+            seen = 0
+            for line in proc.stdout:
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if row.pop("type", None) == "info":
+                    row.pop("backend", None)
+                    meta[backend] = row
+                else:
+                    results.append(row)
+                    seen += 1
+                    progress.step(backend, row["case"])
+            stderr = proc.stderr.read() if proc.stderr else ""
+            code = proc.wait()
+            meta.setdefault(backend, {"version": None, "device": None})
+            meta[backend]["seconds"] = round(time.monotonic() - t0, 1)
+            if code != 0 or seen < per_backend:
+                tail = stderr.strip().splitlines()[-1:] or ["no output"]
+                results.append(
+                    {"case": "worker", "group": "worker", "backend": backend, "mode": "mpx", "status": "fail",
+                     "expected": "the worker runs every case", "observed": f"exit {code} after {seen} results",
+                     "detail": tail[0][:300]}  # fmt: skip
+                )
+            progress.note(f"{backend}: {seen} results in {meta[backend]['seconds']}s")
+    data = {
+        "mpx_version": _version(),
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "seconds": round(time.monotonic() - started, 1),
+        "backends": meta,
+        "cases": {c["id"]: {"group": c["group"], "spec": c["spec"]} for c in C.all_cases() if not only or c["id"].startswith(only)},
+        "results": results,
+    }
+    report.write_all(data, out)
+    return data
+
+
+def _version() -> str:
+    from mpx import __version__
+
+    return __version__
+
+
+def main(args: argparse.Namespace) -> int:
+    names = args.backend or list(BACKENDS)
+    unknown = [b for b in names if b not in BACKENDS]
+    if unknown:
+        print(f"mpx conformance: unknown backend {unknown[0]!r}; available: {', '.join(BACKENDS)}", file=sys.stderr)
+        return 2
+    names = list(dict.fromkeys(names))
+    data = run(names, args.out, only=args.only, quiet=args.quiet)
+    print(report.terminal(data))
+    print(f"reports: {args.out / 'report.json'}, {args.out / 'report.md'}, {args.out / 'report.html'}")
+    failed = [r for r in data["results"] if r["mode"] == "mpx" and r["status"] == "fail"]
+    return 1 if failed else 0
