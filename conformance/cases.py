@@ -27,7 +27,14 @@ T, F = True, False
 
 
 def _case(group: str, id_: str, kind: str, params: dict, expected: Any, spec: str) -> Case:
-    return {"id": f"{group}.{id_}", "group": group, "kind": kind, "params": params, "expected": expected, "spec": spec}
+    return {
+        "id": f"{group}.{id_}",
+        "group": group,
+        "kind": kind,
+        "params": params,
+        "expected": expected,
+        "spec": spec,
+    }
 
 
 def policy_cases() -> list[Case]:

@@ -92,10 +92,14 @@ def markdown(data: dict) -> str:
     cols = _columns(data)
     table = counts(data)
     out = ["# mpx conformance report", ""]
-    out.append(f"mpx {data['mpx_version']}, Python {data['python']} on {data['machine']}, {data['seconds']}s.")
+    out.append(
+        f"mpx {data['mpx_version']}, Python {data['python']} on {data['machine']}, {data['seconds']}s."
+    )
     out.append("")
     for backend, meta in data["backends"].items():
-        out.append(f"- **{backend}**: " + (meta.get("skipped") or f"{meta.get('version')} on {meta.get('device')}"))
+        out.append(
+            f"- **{backend}**: " + (meta.get("skipped") or f"{meta.get('version')} on {meta.get('device')}")
+        )
     out += ["", "## Summary", "", "| group | " + " | ".join(f"{b} {m}" for b, m in cols) + " |"]
     out.append("|---|" + "---|" * len(cols))
     for g in _groups(data):
@@ -111,7 +115,9 @@ def markdown(data: dict) -> str:
         out += ["", f"## {g}", "", "| case | " + " | ".join(f"{b} {m}" for b, m in cols) + " |"]
         out.append("|---|" + "---|" * len(cols))
         for case, row in by_case[g].items():
-            out.append(f"| `{case}` | " + " | ".join(row.get((b, m), {}).get("status", "-") for b, m in cols) + " |")
+            out.append(
+                f"| `{case}` | " + " | ".join(row.get((b, m), {}).get("status", "-") for b, m in cols) + " |"
+            )
     return "\n".join(out) + "\n"
 
 
@@ -134,12 +140,22 @@ def html_report(data: dict) -> str:
     e = html.escape
     cols = _columns(data)
     table = counts(data)
-    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>mpx conformance</title><style>{_CSS}</style></head><body>"]
+    parts = [
+        f"<!doctype html><html><head><meta charset='utf-8'><title>mpx conformance</title><style>{_CSS}</style></head><body>"
+    ]
     parts.append("<h1>mpx conformance report</h1>")
-    parts.append(f"<p>mpx {e(data['mpx_version'])}, Python {e(data['python'])} on {e(data['machine'])}, {data['seconds']}s.</p><ul>")
+    parts.append(
+        f"<p>mpx {e(data['mpx_version'])}, Python {e(data['python'])} on {e(data['machine'])}, {data['seconds']}s.</p><ul>"
+    )
     for backend, meta in data["backends"].items():
-        parts.append(f"<li><b>{e(backend)}</b>: {e(str(meta.get('skipped') or str(meta.get('version')) + ' on ' + str(meta.get('device'))))}</li>")
-    parts.append("</ul><h2>Summary</h2><table><tr><th>group</th>" + "".join(f"<th>{e(b)} {m}</th>" for b, m in cols) + "</tr>")
+        parts.append(
+            f"<li><b>{e(backend)}</b>: {e(str(meta.get('skipped') or str(meta.get('version')) + ' on ' + str(meta.get('device'))))}</li>"
+        )
+    parts.append(
+        "</ul><h2>Summary</h2><table><tr><th>group</th>"
+        + "".join(f"<th>{e(b)} {m}</th>" for b, m in cols)
+        + "</tr>"
+    )
     for g in _groups(data):
         cells = []
         for b, m in cols:
@@ -150,14 +166,32 @@ def html_report(data: dict) -> str:
     parts.append("</table>")
     fails = failures(data)
     parts.append(f"<h2>mpx failures ({len(fails)})</h2>")
-    parts.append("<ul>" + "".join(f"<li class='fail'>{e(r['backend'])} <code>{e(r['case'])}</code>: {e(r['detail'])}</li>" for r in fails) + "</ul>" if fails else "<p>none: every mpx result passes.</p>")
+    parts.append(
+        "<ul>"
+        + "".join(
+            f"<li class='fail'>{e(r['backend'])} <code>{e(r['case'])}</code>: {e(r['detail'])}</li>"
+            for r in fails
+        )
+        + "</ul>"
+        if fails
+        else "<p>none: every mpx result passes.</p>"
+    )
     divs = divergences(data)
-    parts.append(f"<h2>Native divergences from the mpx spec ({len(divs)})</h2><table><tr><th>backend</th><th>case</th><th>spec vs observed</th></tr>")
-    parts += [f"<tr class='differs'><td>{e(r['backend'])}</td><td><code>{e(r['case'])}</code></td><td>{e(_describe(r))}</td></tr>" for r in divs]
+    parts.append(
+        f"<h2>Native divergences from the mpx spec ({len(divs)})</h2><table><tr><th>backend</th><th>case</th><th>spec vs observed</th></tr>"
+    )
+    parts += [
+        f"<tr class='differs'><td>{e(r['backend'])}</td><td><code>{e(r['case'])}</code></td><td>{e(_describe(r))}</td></tr>"
+        for r in divs
+    ]
     parts.append("</table>")
     specs = data.get("cases", {})
     for g, rows in _by_case(data).items():
-        parts.append(f"<details open><summary>{e(g)} ({len(rows)} cases)</summary><table><tr><th>case</th><th>spec</th>" + "".join(f"<th>{e(b)} {m}</th>" for b, m in cols) + "</tr>")
+        parts.append(
+            f"<details open><summary>{e(g)} ({len(rows)} cases)</summary><table><tr><th>case</th><th>spec</th>"
+            + "".join(f"<th>{e(b)} {m}</th>" for b, m in cols)
+            + "</tr>"
+        )
         for case, row in rows.items():
             cells = []
             for b, m in cols:
@@ -167,7 +201,9 @@ def html_report(data: dict) -> str:
                     continue
                 title = e(r.get("detail") or _describe(r))
                 cells.append(f"<td class='{r['status']}' title='{title}'>{r['status']}</td>")
-            parts.append(f"<tr><td><code>{e(case)}</code></td><td>{e(specs.get(case, {}).get('spec', ''))}</td>{''.join(cells)}</tr>")
+            parts.append(
+                f"<tr><td><code>{e(case)}</code></td><td>{e(specs.get(case, {}).get('spec', ''))}</td>{''.join(cells)}</tr>"
+            )
         parts.append("</table></details>")
     parts.append("</body></html>")
     return "\n".join(parts)

@@ -29,15 +29,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--backend", action="append", metavar="NAME",
         help=f"run only this backend (repeatable): {', '.join(BACKENDS)}; default: every installed one",
     )  # fmt: skip
-    parser.add_argument("--out", type=Path, default=Path("mpx-report"), help="report folder (default: mpx-report)")
-    parser.add_argument("--only", default=None, metavar="PREFIX", help="run only cases whose id starts with PREFIX")
+    parser.add_argument(
+        "--out", type=Path, default=Path("mpx-report"), help="report folder (default: mpx-report)"
+    )
+    parser.add_argument(
+        "--only", default=None, metavar="PREFIX", help="run only cases whose id starts with PREFIX"
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress display")
 
 
 def _skip_rows(backend: str, why: str, only: str | None) -> list[dict]:
     return [
-        {"case": c["id"], "group": c["group"], "backend": backend, "mode": mode, "status": "skip",
-         "expected": c["expected"], "observed": None, "detail": why}  # fmt: skip
+        {
+            "case": c["id"],
+            "group": c["group"],
+            "backend": backend,
+            "mode": mode,
+            "status": "skip",
+            "expected": c["expected"],
+            "observed": None,
+            "detail": why,
+        }
         for c in C.all_cases()
         if not only or c["id"].startswith(only)
         for mode in MODES
@@ -92,14 +104,20 @@ def run(backends: list[str], out: Path, only: str | None = None, quiet: bool = F
             )  # fmt: skip
         for backend in backends:
             if backend not in installed:
-                meta[backend] = {"version": None, "device": None, "skipped": f"{BACKENDS[backend]} is not installed"}
+                meta[backend] = {
+                    "version": None,
+                    "device": None,
+                    "skipped": f"{BACKENDS[backend]} is not installed",
+                }
                 results += _skip_rows(backend, f"{BACKENDS[backend]} is not installed", only)
                 continue
             t0 = time.monotonic()
             cmd = [sys.executable, "-m", "conformance.worker", backend, "--states", states]
             if only:
                 cmd += ["--only", only]
-            proc = subprocess.Popen(cmd, env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            proc = subprocess.Popen(
+                cmd, env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
             assert proc.stdout is not None
             seen = 0
             for line in proc.stdout:
@@ -121,9 +139,16 @@ def run(backends: list[str], out: Path, only: str | None = None, quiet: bool = F
             if code != 0 or seen < per_backend:
                 tail = stderr.strip().splitlines()[-1:] or ["no output"]
                 results.append(
-                    {"case": "worker", "group": "worker", "backend": backend, "mode": "mpx", "status": "fail",
-                     "expected": "the worker runs every case", "observed": f"exit {code} after {seen} results",
-                     "detail": tail[0][:300]}  # fmt: skip
+                    {
+                        "case": "worker",
+                        "group": "worker",
+                        "backend": backend,
+                        "mode": "mpx",
+                        "status": "fail",
+                        "expected": "the worker runs every case",
+                        "observed": f"exit {code} after {seen} results",
+                        "detail": tail[0][:300],
+                    }
                 )
             progress.note(f"{backend}: {seen} results in {meta[backend]['seconds']}s")
     data = {
@@ -132,7 +157,11 @@ def run(backends: list[str], out: Path, only: str | None = None, quiet: bool = F
         "machine": platform.machine(),
         "seconds": round(time.monotonic() - started, 1),
         "backends": meta,
-        "cases": {c["id"]: {"group": c["group"], "spec": c["spec"]} for c in C.all_cases() if not only or c["id"].startswith(only)},
+        "cases": {
+            c["id"]: {"group": c["group"], "spec": c["spec"]}
+            for c in C.all_cases()
+            if not only or c["id"].startswith(only)
+        },
         "results": results,
     }
     report.write_all(data, out)
@@ -149,7 +178,10 @@ def main(args: argparse.Namespace) -> int:
     names = args.backend or list(BACKENDS)
     unknown = [b for b in names if b not in BACKENDS]
     if unknown:
-        print(f"mpx conformance: unknown backend {unknown[0]!r}; available: {', '.join(BACKENDS)}", file=sys.stderr)
+        print(
+            f"mpx conformance: unknown backend {unknown[0]!r}; available: {', '.join(BACKENDS)}",
+            file=sys.stderr,
+        )
         return 2
     names = list(dict.fromkeys(names))
     data = run(names, args.out, only=args.only, quiet=args.quiet)

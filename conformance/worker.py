@@ -49,7 +49,11 @@ def run_case(adapter: Any, case: C.Case, mode: str, states: Path | None) -> dict
         else:
             path = states / f"{source}.json" if states else None
             if path is None or not path.exists():
-                return {"status": "skip", "observed": None, "detail": f"no state saved by {source} (not installed?)"}
+                return {
+                    "status": "skip",
+                    "observed": None,
+                    "detail": f"no state saved by {source} (not installed?)",
+                }
             params["state_dict"] = json.loads(path.read_text())
     start = time.perf_counter()
     try:
@@ -63,7 +67,12 @@ def run_case(adapter: Any, case: C.Case, mode: str, states: Path | None) -> dict
     ok = judge(case, observed)
     status = "pass" if ok else ("differs" if mode == "native" else "fail")
     detail = "" if ok else f"spec: {case['spec']}; observed {json.dumps(observed)[:300]}"
-    return {"status": status, "observed": observed, "detail": detail, "seconds": round(time.perf_counter() - start, 4)}
+    return {
+        "status": status,
+        "observed": observed,
+        "detail": detail,
+        "seconds": round(time.perf_counter() - start, 4),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,6 +6,7 @@ Bad usage exits 2 with one line on stderr and no traceback.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from collections.abc import Callable, Sequence
@@ -83,10 +84,14 @@ def _list(args: argparse.Namespace) -> int:
     return 0
 
 
-def _conformance(args: argparse.Namespace) -> int:
-    from conformance.runner import main as run  # the suite ships in the same distribution
-
-    return run(args)
+#: Commands whose code lives beside the core (imported lazily; none imports a framework at import time).
+_EXTRA_COMMANDS = (
+    ("conformance", "run the conformance suite on every installed backend and write reports",
+     "conformance.runner", "add_arguments", "main"),
+    ("bench", "time training steps natively and under mpx", "mpx_bench.cli", "add_bench_arguments", "run_bench"),
+    ("doctor", "show frameworks, devices and precision support; recommend a policy",
+     "mpx_bench.cli", "add_doctor_arguments", "run_doctor"),
+)  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -103,14 +108,14 @@ def build_parser() -> argparse.ArgumentParser:
     show.set_defaults(run=_show)
     listing = policy_commands.add_parser("list", help="list the presets and their aliases")
     listing.set_defaults(run=_list)
-    try:
-        from conformance.runner import add_arguments
-    except ImportError:  # pragma: no cover - the suite is part of the distribution
-        add_arguments = None
-    if add_arguments is not None:
-        conf = commands.add_parser("conformance", help="run the conformance suite and write reports")
-        add_arguments(conf)
-        conf.set_defaults(run=_conformance)
+    for name, help_text, module, add, run in _EXTRA_COMMANDS:
+        try:
+            provider = importlib.import_module(module)
+        except ImportError:  # pragma: no cover - shipped in the same distribution
+            continue
+        sub = commands.add_parser(name, help=help_text)
+        getattr(provider, add)(sub)
+        sub.set_defaults(run=getattr(provider, run))
     return parser
 
 

@@ -10,7 +10,15 @@ import numpy as np
 import optax
 
 import mpx
-from conformance.adapters._common import Skip, dtype_name, flag_gradient, max_rel_error, mlp_data, mlp_reference, op_input
+from conformance.adapters._common import (
+    Skip,
+    dtype_name,
+    flag_gradient,
+    max_rel_error,
+    mlp_data,
+    mlp_reference,
+    op_input,
+)
 
 JNP = {"float16": jnp.float16, "bfloat16": jnp.bfloat16, "float32": jnp.float32, "float64": jnp.float64}
 
@@ -57,7 +65,9 @@ def _op(op: str, dtype: str, other: str | None):
     def group_norm(a):
         g = a.reshape(1, 6, 6, 2, 1)
         m = g.mean((1, 2, 4), keepdims=True)
-        return ((g - m) * jax.lax.rsqrt(((g - m) ** 2).mean((1, 2, 4), keepdims=True) + 1e-5)).reshape(a.shape)
+        return ((g - m) * jax.lax.rsqrt(((g - m) ** 2).mean((1, 2, 4), keepdims=True) + 1e-5)).reshape(
+            a.shape
+        )
 
     def rms_norm(a):
         return a * jax.lax.rsqrt((a**2).mean(-1, keepdims=True) + 1e-6)
@@ -157,7 +167,7 @@ def _train_flags(mode: str, scaler: Any, flags: list[bool]) -> tuple[Any, list[f
             scales.append(float(scaler.scale))
         else:
             mj = _mpx_jax()
-            grads = jax.grad(lambda w, m=mult: scaler.scale(jnp.sum(w * m)))(params)
+            grads = jax.grad(lambda w, m=mult, s=scaler: s.scale(jnp.sum(w * m)))(params)
             grads = scaler.unscale(grads)
             ok = mj.all_finite(grads)
             new = mj.select_tree(ok, params - 0.1 * grads, params)

@@ -8,12 +8,20 @@ from typing import Any
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import keras
+import numpy as np
+import tensorflow as tf
 
-import mpx  # noqa: E402
-from conformance.adapters._common import Skip, dtype_name, flag_gradient, max_rel_error, mlp_data, mlp_reference, op_input  # noqa: E402
+import mpx
+from conformance.adapters._common import (
+    Skip,
+    dtype_name,
+    flag_gradient,
+    max_rel_error,
+    mlp_data,
+    mlp_reference,
+    op_input,
+)
 
 L = keras.layers
 
@@ -153,7 +161,9 @@ def run_scaler_trace(p: dict, mode: str) -> dict:
 
 
 def run_skip(p: dict, mode: str) -> dict:
-    inner = keras.optimizers.Adam(1e-2) if p["optimizer"] == "adam" else keras.optimizers.SGD(1e-2, momentum=0.9)
+    inner = (
+        keras.optimizers.Adam(1e-2) if p["optimizer"] == "adam" else keras.optimizers.SGD(1e-2, momentum=0.9)
+    )
     opt = _optimizer(mode, mpx.ScalerConfig(), inner)
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((4,)), L.Dense(2)])
@@ -204,7 +214,10 @@ def run_numerics(p: dict, mode: str) -> dict:
         out = tf.cast(model(d["x"]), tf.float32)
         loss = tf.reduce_mean(tf.square(out - d["y"]))
     grads = tape.gradient(loss, [fc1.kernel, fc1.bias, fc2.kernel, fc2.bias])
-    got = {"loss": loss.numpy(), **{k: g.numpy() for k, g in zip(("w1", "b1", "w2", "b2"), grads, strict=True)}}
+    got = {
+        "loss": loss.numpy(),
+        **{k: g.numpy() for k, g in zip(("w1", "b1", "w2", "b2"), grads, strict=True)},
+    }
     return {"max_rel_error": max_rel_error(got, mlp_reference(d)), "loss_dtype": dtype_name(loss.dtype)}
 
 
@@ -215,7 +228,11 @@ def save_state(config: dict, flags: list[bool]) -> dict:
 
 
 def _native_state(opt) -> dict:
-    return {v.path: v.numpy().item() for v in opt.variables if v.path.split("/")[-1] in ("dynamic_scale", "step_counter")}
+    return {
+        v.path: v.numpy().item()
+        for v in opt.variables
+        if v.path.split("/")[-1] in ("dynamic_scale", "step_counter")
+    }
 
 
 def run_portability_save(p: dict, mode: str) -> dict:

@@ -11,10 +11,23 @@ import torch.nn.functional as F
 from torch import nn
 
 import mpx
-from conformance.adapters._common import Skip, dtype_name, flag_gradient, max_rel_error, mlp_data, mlp_reference, op_input
+from conformance.adapters._common import (
+    Skip,
+    dtype_name,
+    flag_gradient,
+    max_rel_error,
+    mlp_data,
+    mlp_reference,
+    op_input,
+)
 
 DEVICE = "cpu"
-TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
+TORCH_DTYPES = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+}
 
 
 def info() -> dict:
@@ -105,7 +118,11 @@ def run_policy(p: dict, mode: str) -> dict:
     model[0].register_forward_hook(lambda m, i, o: seen.setdefault("compute", dtype_name(o.dtype)))
     _mpx_torch().prepare(model, policy)
     out = model(torch.randn(2, 4))
-    return {"params": dtype_name(model[0].weight.dtype), "compute": seen["compute"], "output": dtype_name(out.dtype)}
+    return {
+        "params": dtype_name(model[0].weight.dtype),
+        "compute": seen["compute"],
+        "output": dtype_name(out.dtype),
+    }
 
 
 def _native_scaler(cfg: mpx.ScalerConfig):
