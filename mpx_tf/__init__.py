@@ -1,0 +1,51 @@
+"""mpx for Keras 3 on TensorFlow: one mpx policy, Keras's own dtype policies and loss scaling.
+
+>>> import mpx_tf
+>>> with mpx_tf.policy_scope("mixed_float16"):
+...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.LayerNormalization()])
+>>> model = mpx_tf.apply_policy(model, "mixed_float16")
+>>> [layer.compute_dtype for layer in model.layers]
+['float16', 'float32']
+>>> optimizer = mpx_tf.LossScaleOptimizer(keras.optimizers.Adam())
+>>> optimizer.scale
+65536.0
+
+Importing this package selects Keras's TensorFlow backend when ``KERAS_BACKEND``
+is unset; another backend raises ImportError.
+"""
+
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+import keras
+
+if keras.config.backend() != "tensorflow":
+    raise ImportError(
+        f"mpx_tf needs Keras's TensorFlow backend, but Keras runs on {keras.config.backend()!r}; "
+        "set KERAS_BACKEND=tensorflow before keras is first imported"
+    )
+
+from mpx_tf.loss_scale_optimizer import LossScaleOptimizer
+from mpx_tf.policy import (
+    NAME_PREFIX,
+    apply_policy,
+    category_of,
+    get_global_policy,
+    keras_dtype_policy,
+    op_of,
+    policy_scope,
+    set_global_policy,
+)
+
+__all__ = [
+    "LossScaleOptimizer",
+    "NAME_PREFIX",
+    "apply_policy",
+    "category_of",
+    "op_of",
+    "get_global_policy",
+    "keras_dtype_policy",
+    "policy_scope",
+    "set_global_policy",
+]

@@ -1,0 +1,391 @@
+"""A Keras 3 ``LossScaleOptimizer`` that runs mpx's loss-scaling state machine.
+
+It is Keras's own optimizer API (``scale_loss``, ``apply`` taking scaled
+gradients, ``apply_gradients``, ``inner_optimizer``, ``variables``,
+``get_config``/``from_config``) with the transition of
+:func:`mpx.scaler_update`, bit for bit, as TensorFlow ops on variables:
+
+- the state lives in variables (a float32 ``dynamic_scale``, int64 counters),
+  so a ``tf.function`` step reads the current scale and never retraces;
+- every float32 product is computed exactly in float64 and rounded once to
+  float32 with integer bit operations for the subnormal range: TensorFlow's
+  kernels flush float32 subnormals to zero, numpy (the reference) does not;
+- a skipped step runs no update at all (``tf.cond``, as Keras's own
+  ``LossScaleOptimizer`` does), so the model's variables and the inner
+  optimizer's (``iterations``, moments) stay bit-identical;
+- under ``tf.distribute`` the finiteness flag is summed over all replicas
+  before the decision, so every replica skips or applies together.
+
+It subclasses ``keras.optimizers.LossScaleOptimizer`` so that ``model.compile``
+under ``mixed_float16`` does not wrap it a second time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import mpx
+from mpx.errors import MPXError, ScalerConfigError
+
+__all__ = ["LossScaleOptimizer"]
+
+_HALF = (tf.float16, tf.bfloat16)
+_SMALLEST_NORMAL = 2.0**-126  # float32
+_SUBNORMAL_QUANTUM = 2.0**-149  # float32's smallest subnormal
+
+
+def _as_config(config: Any) -> mpx.ScalerConfig:
+    if config is None:
+        return mpx.ScalerConfig()
+    if isinstance(config, mpx.ScalerConfig):
+        return config
+    if isinstance(config, Mapping):
+        return mpx.ScalerConfig.from_dict(config)
+    raise ScalerConfigError(
+        f"config: expected an mpx.ScalerConfig, its to_dict() dict or None, got {type(config).__name__}"
+    )
+
+
+# -- exact float32 arithmetic, immune to flush-to-zero -------------------------------
+def _exact_f64(x: tf.Tensor) -> tf.Tensor:
+    """A non-negative finite float32 as the float64 of the same value, read from its bits."""
+    bits = tf.bitcast(x, tf.int32)
+    exponent = tf.bitwise.right_shift(bits, 23)
+    mantissa = tf.bitwise.bitwise_and(bits, 0x7FFFFF)
+    normal = exponent > 0
+    significand = tf.where(normal, mantissa + 0x800000, mantissa)
+    lsb_exponent = tf.where(normal, exponent, 1) - 150  # value = significand * 2**lsb_exponent
+    pow2 = tf.bitcast(tf.bitwise.left_shift(tf.cast(lsb_exponent + 1023, tf.int64), 52), tf.float64)
+    return tf.cast(significand, tf.float64) * pow2
+
+
+def _round_f32(p: tf.Tensor) -> tf.Tensor:
+    """A non-negative float64 rounded to the nearest float32 (ties to even), subnormals included."""
+    normal = tf.cast(p, tf.float32)  # correctly rounded wherever the result is normal (or inf)
+    ticks = tf.math.rint(tf.minimum(p, _SMALLEST_NORMAL) / _SUBNORMAL_QUANTUM)  # rint: ties to even
+    subnormal = tf.bitcast(tf.cast(ticks, tf.int32), tf.float32)
+    return tf.where(p < _SMALLEST_NORMAL, subnormal, normal)
+
+
+def _f32_constant(value: float) -> tf.Tensor:
+    # From numpy, not through a TF kernel, so a subnormal keeps its bits.
+    return tf.constant(np.float32(value), dtype=tf.float32)
+
+
+@keras.saving.register_keras_serializable(package="mpx_tf")
+class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
+    """Keras's ``LossScaleOptimizer`` API over mpx's state machine.
+
+    Args:
+        inner_optimizer: the ``keras.optimizers.Optimizer`` that applies the unscaled gradients.
+        config: an :class:`mpx.ScalerConfig` (or its ``to_dict()`` dict); None for
+            the default dynamic config (initial scale 2**16, growth every 2000
+            finite steps, bounds [1, 2**24]).  ``mpx.ScalerConfig.for_policy``
+            gives ``none`` for bfloat16 policies: the optimizer then only
+            counts steps and passes the gradients through.
+        name: the optimizer's name.
+
+    In ``model.fit`` Keras's train step calls :meth:`scale_loss` and
+    :meth:`apply_gradients` itself, whatever the dtype policy.  In a custom
+    loop::
+
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+            scaled = optimizer.scale_loss(loss)
+        grads = tape.gradient(scaled, model.trainable_variables)
+        optimizer.apply(grads, model.trainable_variables)  # unscales, checks, maybe skips
+
+    The state is five variables, saved by ``model.save`` and ``tf.train.Checkpoint``:
+    ``dynamic_scale`` (float32, the scale), ``step_counter`` (int64, mpx's
+    ``growth_tracker``; Keras's name), ``consecutive_nonfinite``, ``total_steps``
+    (mpx's ``steps``) and ``skipped_steps`` (int64).  ``iterations`` is the inner
+    optimizer's: skipped steps do not count.  Build the optimizer before
+    tracing a custom step (``optimizer.build(model.trainable_variables)``), or
+    ``tf.function`` traces the first step twice to create the inner variables.
+
+    Raises:
+        ScalerConfigError: for an invalid config.
+        MPXError: when ``inner_optimizer`` is not a Keras optimizer, or is itself loss scaling.
+    """
+
+    def __init__(
+        self,
+        inner_optimizer: keras.optimizers.Optimizer,
+        config: mpx.ScalerConfig | Mapping[str, Any] | None = None,
+        name: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        cfg = _as_config(config)
+        if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
+            raise MPXError(
+                f"inner_optimizer: expected a keras.optimizers.Optimizer, got {type(inner_optimizer).__name__}"
+            )
+        if isinstance(inner_optimizer, keras.optimizers.LossScaleOptimizer):
+            raise MPXError(
+                "inner_optimizer: it is already a LossScaleOptimizer; wrap the plain optimizer once"
+            )
+        if kwargs:
+            raise MPXError(
+                f"LossScaleOptimizer: unknown argument {next(iter(kwargs))!r}; allowed: "
+                "inner_optimizer, config (an mpx.ScalerConfig), name"
+            )
+        super().__init__(
+            inner_optimizer,
+            initial_scale=cfg.first_scale,
+            dynamic_growth_steps=cfg.growth_interval,
+            name=name,
+        )
+        self._config = cfg
+
+        # The state is created here, not in build(): scale_loss() in a traced
+        # step must read a variable even before the first apply().
+        # autocast=False: a layer's autocast scope must never read the scale as float16.
+        def state(name: str, dtype: str) -> keras.Variable:
+            with keras.name_scope(self.name, caller=self):
+                return keras.Variable(
+                    initializer="zeros",
+                    shape=(),
+                    dtype=dtype,
+                    trainable=False,
+                    autocast=False,
+                    aggregation="only_first_replica",
+                    name=name,
+                )
+
+        self.dynamic_scale = state("dynamic_scale", "float32")
+        self.step_counter = state("step_counter", "int64")  # mpx's growth_tracker (Keras's name)
+        self.consecutive_nonfinite = state("consecutive_nonfinite", "int64")
+        self.total_steps = state("steps", "int64")
+        self.skipped_steps = state("skipped_steps", "int64")
+        self._assign_state(mpx.scaler_init(cfg))
+
+    # -- Keras's optimizer API ------------------------------------------------------
+    def build(self, var_list: Sequence[Any]) -> None:
+        self.inner_optimizer.build(var_list)
+        keras.optimizers.Optimizer.build(self, var_list)  # not Keras's LSO.build: state exists already
+
+    def scale_loss(self, loss: Any) -> Any:
+        """``loss`` times the current scale (a half-precision loss is first cast to float32)."""
+        if self._config.kind == "none":
+            return loss
+        loss = tf.convert_to_tensor(loss)
+        if loss.dtype in _HALF:
+            loss = tf.cast(loss, tf.float32)
+        return loss * tf.cast(self.dynamic_scale.value, loss.dtype)
+
+    def apply(self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None = None) -> None:
+        """Unscale the (scaled) ``grads``, update the scaler state, apply them unless the step is skipped."""
+        grads = list(grads)
+        if trainable_variables is not None:
+            trainable_variables = list(trainable_variables)
+        if not self.built:
+            if trainable_variables is None:
+                raise ValueError(
+                    "apply() without trainable_variables needs a built optimizer; pass the variables "
+                    "on the first call or call optimizer.build(model.trainable_variables) first"
+                )
+            with keras.name_scope(self.name, caller=self):
+                self.build(trainable_variables)
+            self.built = True
+        if tf.distribute.in_cross_replica_context():
+            raise ValueError("apply() must be called in a replica context.")
+        if tf.__internal__.distribute.strategy_supports_no_merge_call():
+            self._replica_apply(grads, trainable_variables)
+        else:
+            tf.distribute.get_replica_context().merge_call(
+                self._cross_replica_apply, args=(grads, trainable_variables)
+            )
+
+    def apply_gradients(self, grads_and_vars: Any) -> Any:
+        grads, trainable_variables = zip(*grads_and_vars, strict=True)
+        self.apply(grads, trainable_variables)
+        return self.iterations
+
+    def stateless_apply(self, optimizer_variables: Any, grads: Any, trainable_variables: Any) -> Any:
+        raise ValueError(
+            "stateless_apply is not supported with the TensorFlow backend (Keras refuses it for every "
+            "optimizer there, as it is incompatible with tf.distribute); use apply() or apply_gradients()"
+        )
+
+    # -- the step ----------------------------------------------------------------------
+    def _unscale(self, grads: list[Any], trainable_variables: Sequence[Any] | None) -> tuple[list[Any], Any]:
+        """(unscaled gradients, bool tensor: all the scaled ones finite) on one replica.
+
+        As torch's GradScaler and Keras do, the check is on the scaled gradients.
+        """
+        flags = [tf.reduce_all(tf.math.is_finite(_values(g))) for g in grads if g is not None]
+        finite = tf.reduce_all(tf.stack(flags)) if flags else tf.constant(True)
+        if self._config.kind != "none":  # a none scale is exactly 1.0: nothing to divide
+            variables = trainable_variables if trainable_variables is not None else self._trainable_variables
+            scale = self.dynamic_scale.value
+            grads = [
+                g if g is None or self._overwrite_variable_with_gradient(v) else _divide(g, scale)
+                for g, v in zip(grads, variables, strict=True)
+            ]
+        return grads, finite
+
+    def _replica_apply(self, grads: list[Any], trainable_variables: Any) -> None:
+        grads, finite = self._unscale(grads, trainable_variables)
+        ctx = tf.distribute.get_replica_context()
+        if ctx is not None and ctx.num_replicas_in_sync > 1:
+            nonfinite = ctx.all_reduce(
+                tf.distribute.ReduceOp.SUM, tf.cast(tf.logical_not(finite), tf.float32)
+            )
+            finite = tf.equal(nonfinite, 0.0)
+        self._apply_unless_skipped(finite, lambda: self.inner_optimizer.apply(grads, trainable_variables))
+        self._transition(finite)
+
+    def _cross_replica_apply(self, distribution: Any, grads: Any, trainable_variables: Any) -> None:
+        # Unscale and check on each replica, then decide once for all of them.
+        unscaled, finite_per_replica = distribution.extended.call_for_each_replica(
+            self._unscale, args=(grads, trainable_variables)
+        )
+        nonfinite = distribution.reduce(
+            tf.distribute.ReduceOp.SUM,
+            distribution.extended.call_for_each_replica(
+                lambda f: tf.cast(tf.logical_not(f), tf.float32), args=(finite_per_replica,)
+            ),
+            axis=None,
+        )
+        finite = tf.equal(nonfinite, 0.0)
+
+        def apply_fn() -> None:
+            distribution.extended.call_for_each_replica(
+                self.inner_optimizer.apply, args=(unscaled, trainable_variables)
+            )
+
+        # In cross-replica context, as Keras does: a cond in replica context
+        # cannot hold the merge_call the inner optimizer makes.
+        self._apply_unless_skipped(finite, apply_fn)
+        self._transition(finite)
+
+    def _apply_unless_skipped(self, finite: Any, apply_fn: Any) -> None:
+        if self._config.skip_nonfinite:
+            keras.ops.cond(finite, apply_fn, lambda: None)
+        else:
+            apply_fn()
+
+    def _transition(self, finite: Any) -> None:
+        """:func:`mpx.scaler_update` on the variables (``finite``: a bool scalar tensor)."""
+        cfg = self._config
+        consecutive = tf.where(finite, tf.constant(0, tf.int64), self.consecutive_nonfinite.value + 1)
+        if cfg.kind == "dynamic":
+            lo, hi = cfg.bounds
+            scale = self.dynamic_scale.value
+            exact = _exact_f64(scale)
+            tracker = self.step_counter.value + 1
+            at_interval = tf.equal(tracker, cfg.growth_interval)
+            # Growth: float32(scale * growth_factor), kept only when finite, capped at max_scale.
+            with np.errstate(over="ignore"):  # a growth factor past float32's max is inf
+                growth_factor = float(np.float32(cfg.growth_factor))
+            grown_exact = exact * growth_factor
+            grown = _round_f32(grown_exact)
+            grow = finite & at_interval & tf.math.is_finite(grown)  # before the cap, as the reference
+            if hi != float("inf"):
+                grown = tf.where(grown_exact > hi, _f32_constant(hi), grown)
+            # Backoff: float32(scale * backoff_factor), floored at min_scale.
+            backed_exact = exact * float(np.float32(cfg.backoff_factor))
+            backed = _round_f32(backed_exact)
+            if lo > 0.0:
+                backed = tf.where(backed_exact < lo, _f32_constant(lo), backed)
+            back = tf.logical_not(finite) & (consecutive >= cfg.hysteresis)
+            self.dynamic_scale.assign(tf.where(grow, grown, tf.where(back, backed, scale)))
+            self.step_counter.assign(tf.where(finite & tf.logical_not(at_interval), tracker, 0))
+        self.consecutive_nonfinite.assign(consecutive)
+        self.total_steps.assign_add(1)
+        if cfg.skip_nonfinite:
+            self.skipped_steps.assign_add(tf.cast(tf.logical_not(finite), tf.int64))
+
+    # -- mpx's scaler API ------------------------------------------------------------------
+    @property
+    def config(self) -> mpx.ScalerConfig:
+        """The :class:`mpx.ScalerConfig` (read-only)."""
+        return self._config
+
+    @property
+    def state(self) -> mpx.ScalerState:
+        """The current state, read from the variables (a host read)."""
+        return mpx.ScalerState(
+            scale=float(np.float32(self.dynamic_scale.numpy())),
+            growth_tracker=int(self.step_counter.numpy()),
+            consecutive_nonfinite=int(self.consecutive_nonfinite.numpy()),
+            steps=int(self.total_steps.numpy()),
+            skipped_steps=int(self.skipped_steps.numpy()),
+        )
+
+    @property
+    def scale(self) -> float:
+        """The current loss scale as a Python float (a host read; in a graph use ``dynamic_scale``)."""
+        return float(np.float32(self.dynamic_scale.numpy()))
+
+    @property
+    def growth_tracker(self) -> keras.Variable:
+        """mpx's name for ``step_counter``: finite steps in a row since the last growth."""
+        return self.step_counter
+
+    def state_dict(self) -> dict[str, Any]:
+        """The neutral JSON-safe state dict (format ``mpx.scaler/1``), as every mpx scaler writes."""
+        return mpx.state_dict(self._config, self.state)
+
+    def load_state_dict(self, data: Mapping[str, Any]) -> None:
+        """Restore config and state from any mpx scaler's state dict; on error nothing changes.
+
+        The config is Python-side: a step traced before a load that changes
+        it (``model.fit``'s cached train function) keeps the old constants, so
+        load before training, or call ``model.make_train_function(force=True)``.
+
+        Raises:
+            StateDictError: for a malformed dict.
+        """
+        config, state = mpx.load_state_dict(data)
+        self._config = config
+        self.initial_scale = config.first_scale
+        self.dynamic_growth_steps = config.growth_interval
+        self._assign_state(state)
+
+    def _assign_state(self, state: mpx.ScalerState) -> None:
+        self.dynamic_scale.assign(np.float32(state.scale))
+        self.step_counter.assign(np.int64(state.growth_tracker))
+        self.consecutive_nonfinite.assign(np.int64(state.consecutive_nonfinite))
+        self.total_steps.assign(np.int64(state.steps))
+        self.skipped_steps.assign(np.int64(state.skipped_steps))
+
+    # -- serialization ---------------------------------------------------------------------
+    def get_config(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
+            "config": self._config.to_dict(),
+        }
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any], custom_objects: Any = None) -> LossScaleOptimizer:
+        config = dict(config)
+        inner = keras.saving.deserialize_keras_object(
+            config.pop("inner_optimizer"), custom_objects=custom_objects
+        )
+        return cls(inner, **config)
+
+    def __repr__(self) -> str:
+        return (
+            f"<mpx_tf.LossScaleOptimizer kind={self._config.kind!r} "
+            f"inner={type(self.inner_optimizer).__name__} name={self.name!r}>"
+        )
+
+
+def _values(g: Any) -> Any:
+    return g.values if isinstance(g, tf.IndexedSlices) else g
+
+
+def _divide(g: Any, scale: tf.Tensor) -> Any:
+    if isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(_divide(g.values, scale), g.indices, g.dense_shape)
+    g = tf.convert_to_tensor(g)
+    if g.dtype in _HALF:  # unscale in float32, then back to the gradient's dtype
+        return tf.cast(tf.cast(g, tf.float32) / scale, g.dtype)
+    return g / tf.cast(scale, g.dtype)

@@ -1,0 +1,370 @@
+"""mpx policies as Keras 3 dtype policies: the global policy, scopes, per-layer overrides.
+
+Keras gives every layer one ``DTypePolicy`` (a compute dtype and a variable
+dtype) and one global default.  An mpx policy says more: its overrides keep
+normalization and softmax layers in float32 and its outputs come out in
+``output_dtype``.  :func:`set_global_policy` and :func:`policy_scope` set the
+Keras default from an mpx policy (so new layers take the compute and param
+dtypes); :func:`apply_policy` walks a built model and gives each layer the
+policy that :meth:`mpx.Policy.for_module` picks for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+import mpx
+from mpx.errors import MPXError, PolicyError
+
+__all__ = [
+    "NAME_PREFIX",
+    "apply_policy",
+    "category_of",
+    "get_global_policy",
+    "keras_dtype_policy",
+    "op_of",
+    "policy_scope",
+    "set_global_policy",
+]
+
+
+#: The prefix of the Keras dtype-policy names mpx adds, as in ``"mpx:params=float16,compute=float32"``.
+NAME_PREFIX = "mpx:"
+
+
+def _install_name_parser() -> None:
+    """Teach ``keras.DTypePolicy`` the names ``"mpx:SPEC"`` (a pair Keras cannot name).
+
+    Keras names ``float32``, ``mixed_float16`` (float32 variables, float16
+    compute) and the like, but a pure-float16 mpx policy keeps its norms in
+    float32 over float16 parameters, which Keras cannot spell.  Keras turns a
+    layer's saved dtype policy back into a name and parses it with
+    ``DTypePolicy._parse_name``; extending that parser (for names Keras
+    would reject anyway, nothing else) lets such layers save and load as
+    plain ``DTypePolicy`` objects.  Loading them needs ``mpx_tf`` imported.
+    """
+    original = keras.DTypePolicy._parse_name
+    if getattr(original, "_mpx_tf", False):
+        return
+
+    def _parse_name(self: keras.DTypePolicy, name: Any) -> tuple[str, str]:
+        if isinstance(name, str) and name.startswith(NAME_PREFIX):
+            try:
+                policy = mpx.get_policy(name[len(NAME_PREFIX) :])
+            except PolicyError as err:
+                raise PolicyError(f"dtype policy name {name!r}: {err}") from None
+            return policy.compute_dtype, policy.param_dtype
+        return original(self, name)
+
+    _parse_name._mpx_tf = True  # type: ignore[attr-defined]
+    keras.DTypePolicy._parse_name = _parse_name  # type: ignore[method-assign]
+
+
+_install_name_parser()
+
+
+def keras_dtype_policy(policy: mpx.PolicySpec) -> keras.DTypePolicy:
+    """The Keras ``DTypePolicy`` with the policy's compute dtype and param (variable) dtype.
+
+    Keras's own names where it has one (``float32``, ``mixed_bfloat16``...),
+    else ``"mpx:params=P,compute=C"``.
+
+    >>> keras_dtype_policy("mixed_float16").name
+    'mixed_float16'
+    >>> keras_dtype_policy("bf16-true").name
+    'bfloat16'
+    >>> p = keras_dtype_policy("params=float16,compute=float32")
+    >>> p.variable_dtype, p.compute_dtype
+    ('float16', 'float32')
+    """
+    p = mpx.get_policy(policy)
+    params, compute = p.param_dtype, p.compute_dtype
+    if params == compute:
+        return keras.DTypePolicy(params)
+    if params == "float32" and compute in ("float16", "bfloat16"):
+        return keras.DTypePolicy(f"mixed_{compute}")
+    return keras.DTypePolicy(f"{NAME_PREFIX}params={params},compute={compute}")
+
+
+# -- the global policy ------------------------------------------------------------
+# Keras keeps its global dtype policy per thread; mpx's policy (which says more:
+# overrides, output dtype) rides along, remembered with the Keras object it set.
+_local = threading.local()
+
+
+def set_global_policy(policy: mpx.PolicySpec) -> mpx.Policy:
+    """Make ``policy`` Keras's global dtype policy; returns the mpx policy.
+
+    Layers created afterwards compute in the policy's compute dtype and keep
+    their variables in its param dtype.  Per-layer overrides (norms and
+    softmax in float32) and the output dtype need :func:`apply_policy` on
+    the built model: Keras has no global hook for them.
+
+    Raises:
+        PolicyError: for a spec :func:`mpx.get_policy` cannot read.
+    """
+    p = mpx.get_policy(policy)
+    kp = keras_dtype_policy(p)
+    keras.config.set_dtype_policy(kp)
+    _local.current = (p, keras.config.dtype_policy())
+    return p
+
+
+def get_global_policy() -> mpx.Policy:
+    """The mpx policy last set by :func:`set_global_policy`, or one read from Keras's global policy."""
+    current = getattr(_local, "current", None)
+    kp = keras.config.dtype_policy()
+    if current is not None and current[1] is kp:
+        return current[0]
+    return _from_keras(kp)
+
+
+def _from_keras(kp: keras.DTypePolicy) -> mpx.Policy:
+    if kp.name in mpx.PRESETS:
+        return mpx.PRESETS[kp.name]
+    try:
+        return mpx.Policy(kp.variable_dtype, kp.compute_dtype, kp.variable_dtype)
+    except MPXError as err:
+        raise PolicyError(f"Keras's global dtype policy {kp.name!r} has no mpx equivalent: {err}") from None
+
+
+@contextlib.contextmanager
+def policy_scope(policy: mpx.PolicySpec) -> Iterator[mpx.Policy]:
+    """Set the global policy inside a ``with`` block, restoring the previous one on exit (errors too).
+
+    >>> with policy_scope("mixed_bfloat16") as p:
+    ...     keras.layers.Dense(2).compute_dtype
+    'bfloat16'
+    >>> keras.config.dtype_policy().name
+    'float32'
+    """
+    p = mpx.get_policy(policy)  # a bad spec raises before anything changes
+    previous_keras = keras.config.dtype_policy()
+    previous = getattr(_local, "current", None)
+    try:
+        yield set_global_policy(p)
+    finally:
+        keras.config.set_dtype_policy(previous_keras)
+        _local.current = previous
+
+
+# -- per-layer policies -------------------------------------------------------------
+def _classes(*names: str) -> tuple[type, ...]:
+    return tuple(getattr(keras.layers, n) for n in names if hasattr(keras.layers, n))
+
+
+#: Layer classes of the ``normalization`` category (those this Keras has).
+NORMALIZATION_LAYERS: tuple[type, ...] = _classes(
+    "LayerNormalization",
+    "BatchNormalization",
+    "GroupNormalization",
+    "UnitNormalization",
+    "RMSNormalization",
+    "Normalization",
+)
+_SOFTMAX_ACTIVATIONS = ("softmax", "log_softmax")
+
+
+def _activation_name(fn: Any) -> str | None:
+    if isinstance(fn, str):
+        return fn
+    try:
+        name = keras.activations.serialize(fn)
+    except Exception:
+        return getattr(fn, "__name__", None)
+    return name if isinstance(name, str) else getattr(fn, "__name__", None)
+
+
+def category_of(layer: keras.layers.Layer) -> str | None:
+    """The mpx category of a Keras layer: ``normalization``, ``softmax``, ``loss`` or None.
+
+    A layer (class or instance) with an ``mpx_category`` attribute names its own
+    category, for example a custom layer that computes a loss.  Otherwise the
+    normalization layers (:data:`NORMALIZATION_LAYERS`) are ``normalization``,
+    and ``Softmax`` and ``Activation("softmax" | "log_softmax")`` are ``softmax``.
+    A ``Dense(..., activation="softmax")`` is a Dense layer: its softmax runs
+    in the compute dtype; use a separate ``Activation("softmax")`` layer to
+    have mpx keep it in float32.
+    """
+    own = getattr(layer, "mpx_category", None)
+    if own is not None:
+        if own not in mpx.CATEGORIES:
+            raise PolicyError(
+                f"layer {layer.name!r}: mpx_category {own!r} is not a category; "
+                f"allowed: {', '.join(mpx.CATEGORIES)}"
+            )
+        return own
+    if isinstance(layer, NORMALIZATION_LAYERS):
+        return "normalization"
+    if isinstance(layer, keras.layers.Softmax):
+        return "softmax"
+    if isinstance(layer, keras.layers.Activation):
+        if _activation_name(layer.activation) in _SOFTMAX_ACTIVATIONS:
+            return "softmax"
+    return None
+
+
+#: Keras layers that compute one canonical op of the mpx op table.
+_LAYER_OPS: tuple[tuple[tuple[type, ...], str], ...] = (
+    (_classes("ReLU"), "relu"),
+    (_classes("MaxPooling1D", "MaxPooling2D", "MaxPooling3D"), "max_pool"),
+    (_classes("Reshape", "Flatten"), "reshape"),
+    (_classes("Permute"), "transpose"),
+    (_classes("Dropout", "SpatialDropout1D", "SpatialDropout2D", "SpatialDropout3D"), "dropout"),
+    (_classes("Add"), "add"),
+    (_classes("Multiply"), "mul"),
+    (_classes("Concatenate"), "cat"),
+)
+_ACTIVATION_OPS = {"relu": "relu", "gelu": "gelu"}
+
+
+def op_of(layer: keras.layers.Layer) -> str | None:
+    """The canonical op (``mpx.OP_TABLE`` name) a layer computes, where it computes just one."""
+    for classes, op in _LAYER_OPS:
+        if classes and isinstance(layer, classes):
+            return op
+    if isinstance(layer, keras.layers.Activation):
+        return _ACTIVATION_OPS.get(_activation_name(layer.activation) or "")
+    return None
+
+
+def _children(layer: keras.layers.Layer) -> list[keras.layers.Layer]:
+    return list(layer._flatten_layers(include_self=False, recursive=False))
+
+
+def _walk(root: keras.layers.Layer) -> Iterator[tuple[str, keras.layers.Layer]]:
+    """(dotted path, layer) for every layer under ``root``, each once, parents first."""
+    seen: set[int] = set()
+    stack: list[tuple[str, keras.layers.Layer]] = [("", root)]
+    while stack:
+        path, layer = stack.pop()
+        if id(layer) in seen:
+            continue
+        seen.add(id(layer))
+        yield path, layer
+        kids = _children(layer)
+        for child in reversed(kids):
+            stack.append((f"{path}.{child.name}" if path else child.name, child))
+
+
+def _own_float_variables(layer: keras.layers.Layer) -> list[Any]:
+    below = {id(v) for child in _children(layer) for v in child.weights}
+    return [
+        v
+        for v in layer.weights
+        if id(v) not in below and keras.backend.is_float_dtype(keras.backend.standardize_dtype(v.dtype))
+    ]
+
+
+def apply_policy(model: keras.layers.Layer, policy: mpx.PolicySpec | None = None) -> keras.layers.Layer:
+    """Give every layer of ``model`` its mpx policy; the model's outputs come out in ``output_dtype``.
+
+    Each layer gets the Keras dtype policy of ``policy.for_module(path,
+    category)``, where ``path`` joins the layer names from the model down
+    (``"encoder.layer_norm"``) and ``category`` is :func:`category_of`.  So
+    under ``mixed_float16`` a ``LayerNormalization`` computes in float32 (its
+    float16 inputs cast up by Keras) while ``Dense`` computes in float16.
+    Sequential, functional and subclassed models work, nested models too;
+    the model is changed in place and returned.  Variables are never
+    converted: a layer already built with variables of another dtype than
+    the param dtype raises (create the model under :func:`policy_scope`).
+
+    Args:
+        model: a Keras model or layer (built or not).
+        policy: a policy or spec; None uses :func:`get_global_policy`.
+
+    Raises:
+        PolicyError: for a bad spec, or a built layer whose variables are not
+            in the param dtype the policy assigns it.
+    """
+    if not isinstance(model, keras.layers.Layer):
+        raise MPXError(f"model: expected a Keras model or layer, got {type(model).__name__}")
+    p = get_global_policy() if policy is None else mpx.get_policy(policy)
+    for path, layer in _walk(model):
+        if layer is not model:
+            _remove_output_cast(layer)
+        if isinstance(layer, keras.layers.InputLayer):
+            continue
+        if not keras.backend.is_float_dtype(layer.compute_dtype):
+            continue  # integer / string preprocessing layers keep their dtype
+        category = category_of(layer)
+        lp = p.for_module(path, category)
+        for v in _own_float_variables(layer):
+            if keras.backend.standardize_dtype(v.dtype) != lp.param_dtype:
+                raise PolicyError(
+                    f"layer {path or layer.name!r}: its variable {v.path!r} is {v.dtype} but the policy "
+                    f"stores params in {lp.param_dtype}; mpx_tf does not convert built variables: "
+                    "create the model under mpx_tf.policy_scope(policy) (or set_global_policy) first"
+                )
+        layer.dtype_policy = keras_dtype_policy(lp)
+        if category is not None:
+            # Keras's LayerNormalization turns autocast off and rounds its output
+            # through the input dtype; with it on, Keras casts the half inputs
+            # up to the layer's compute dtype before call().
+            layer.autocast = True
+        op = op_of(layer)
+        if op is not None and mpx.OP_TABLE.classify(op, lp) in (mpx.OpClass.PASSTHROUGH, mpx.OpClass.PROMOTE):
+            # Keras casts every layer's floating inputs to its compute dtype; the op
+            # table says these ops keep their input dtype (or promote mixed inputs).
+            layer.autocast = False
+    _install_output_cast(model, p.output_dtype)
+    for name in ("train_function", "test_function", "predict_function"):
+        if getattr(model, name, None) is not None:  # traced under the old dtypes
+            setattr(model, name, None)
+    return model
+
+
+# -- the output cast -------------------------------------------------------------------
+# Keras has no forward hooks; the outermost model's `call` is wrapped on the
+# instance (its class, config and saved file are untouched), as torch's
+# forward hook would be.  Applying again replaces the wrapper.
+_ORIGINAL = "_mpx_original_call"
+_ORIGINAL_SPEC = "_mpx_original_compute_output_spec"
+
+
+def _cast_output(x: Any, dtype: str) -> Any:
+    if isinstance(x, (tf.Tensor, tf.Variable)) and x.dtype.is_floating and x.dtype.name != dtype:
+        mask = getattr(x, "_keras_mask", None)
+        y = tf.cast(x, dtype)
+        if mask is not None:
+            y._keras_mask = mask
+        return y
+    return x
+
+
+def _cast_spec(x: Any, dtype: str) -> Any:
+    if isinstance(x, keras.KerasTensor) and keras.backend.is_float_dtype(x.dtype) and x.dtype != dtype:
+        return keras.KerasTensor(x.shape, dtype=dtype, sparse=x.sparse, ragged=x.ragged)
+    return x
+
+
+def _remove_output_cast(layer: keras.layers.Layer) -> None:
+    if _ORIGINAL in layer.__dict__:
+        del layer.__dict__["call"]
+        del layer.__dict__[_ORIGINAL]
+        del layer.__dict__["compute_output_spec"]
+        del layer.__dict__[_ORIGINAL_SPEC]
+
+
+def _install_output_cast(model: keras.layers.Layer, dtype: str) -> None:
+    _remove_output_cast(model)
+    call, spec = model.call, model.compute_output_spec
+
+    def cast_call(*args: Any, **kwargs: Any) -> Any:
+        return keras.tree.map_structure(lambda x: _cast_output(x, dtype), call(*args, **kwargs))
+
+    def cast_spec(*args: Any, **kwargs: Any) -> Any:
+        return keras.tree.map_structure(lambda x: _cast_spec(x, dtype), spec(*args, **kwargs))
+
+    for name, fn, original in (("call", cast_call, call), ("compute_output_spec", cast_spec, spec)):
+        fn.__wrapped__ = original  # keeps inspect.signature(model.call) for Keras
+        fn.__doc__ = original.__doc__
+        model.__dict__[name] = fn
+    model.__dict__[_ORIGINAL] = call
+    model.__dict__[_ORIGINAL_SPEC] = spec

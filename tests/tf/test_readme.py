@@ -1,0 +1,41 @@
+"""The README's Keras examples run as written (each in a fresh process)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+NAMES = ["keras-fit", "keras-custom-loop"]
+BLOCK = re.compile(r"```python\n(# readme-example: (?P<name>[\w-]+)\n.*?)```", re.S)
+
+
+def _examples() -> dict[str, str]:
+    """Blocks marked `# readme-example: NAME`, from README.md if it has them, else docs/readme/tf.md."""
+    for source in (ROOT / "README.md", ROOT / "docs" / "readme" / "tf.md"):
+        if source.exists():
+            found = {m["name"]: m.group(1) for m in BLOCK.finditer(source.read_text())}
+            if all(name in found for name in NAMES):
+                return found
+    raise AssertionError(f"no README holds the examples {NAMES}")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_readme_example_runs(name, tmp_path):
+    code = _examples()[name]
+    env = {
+        **os.environ,
+        "KERAS_BACKEND": "tensorflow",
+        "TF_CPP_MIN_LOG_LEVEL": "2",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.strip()
