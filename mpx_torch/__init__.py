@@ -1,0 +1,14 @@
+"""mpx for PyTorch: ``autocast``, ``prepare`` and ``GradScaler`` over ``torch.amp``.
+
+>>> import torch, mpx_torch
+>>> model = mpx_torch.prepare(torch.nn.Linear(8, 2), "mixed_float16")
+>>> scaler = mpx_torch.GradScaler("mixed_float16")
+>>> scaler.config.kind
+'dynamic'
+"""
+
+from mpx_torch.autocast import autocast, to_torch_dtype
+from mpx_torch.grad_scaler import GradScaler
+from mpx_torch.prepare import module_category, prepare
+
+__all__ = ["GradScaler", "autocast", "module_category", "prepare", "to_torch_dtype"]

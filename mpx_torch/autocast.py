@@ -1,0 +1,481 @@
+"""``mpx_torch.autocast``: ``torch.autocast`` that follows the mpx op table.
+
+Under a half-precision policy the context enters ``torch.autocast`` with the
+policy's compute dtype and adds a ``TorchFunctionMode`` that enforces the op
+table where torch's own cast lists disagree (on the CPU they leave softmax,
+layer_norm, exp, sum... in half precision when the input is half):
+
+>>> import torch
+>>> import mpx_torch
+>>> x = torch.randn(4, 8, dtype=torch.bfloat16)
+>>> with torch.autocast("cpu", dtype=torch.bfloat16):
+...     torch.softmax(x, -1).dtype
+torch.bfloat16
+>>> with mpx_torch.autocast("mixed_bfloat16", "cpu"):
+...     torch.softmax(x, -1).dtype, (x @ x.T).dtype
+(torch.float32, torch.bfloat16)
+
+Functions torch already classifies as mpx does cost the mode one dict
+look-up; only the ops the policy must change get a handler.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from mpx import (
+    OP_TABLE,
+    MPXError,
+    OpClass,
+    OpTable,
+    Policy,
+    PolicySpec,
+    canonical_dtype,
+    get_policy,
+    widest_dtype,
+)
+from mpx_torch._ops import FUNCTIONS, PROMOTE_EXCEPT_HALF_MIX, RUNNING_STATS
+
+__all__ = ["autocast", "candidate_device_types", "to_torch_dtype"]
+
+_TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+}
+_HALF = (torch.float16, torch.bfloat16)
+_Handler = Callable[[Callable, tuple, dict], Any]
+
+
+def to_torch_dtype(name: Any) -> torch.dtype:
+    """The torch dtype of an mpx dtype name, alias or dtype object (``"bf16"`` -> ``torch.bfloat16``)."""
+    return _TORCH_DTYPES[canonical_dtype(name)]
+
+
+def candidate_device_types() -> tuple[str, ...]:
+    """The device types ``device_type=None`` autocasts: the CPU, the default device, CUDA if available."""
+    types = ["cpu"]
+    try:
+        default = torch.get_default_device().type
+    except AttributeError:  # torch < 2.3
+        default = "cpu"
+    if default not in types:
+        types.append(default)
+    if "cuda" not in types and torch.cuda.is_available():
+        types.append("cuda")
+    return tuple(types)
+
+
+def _device_types(device_type: str | torch.device | Sequence[str] | None) -> tuple[str, ...]:
+    if device_type is None:
+        return candidate_device_types()
+    names = [device_type] if isinstance(device_type, (str, torch.device)) else list(device_type)
+    out: list[str] = []
+    for name in names:
+        try:
+            kind = torch.device(name).type
+        except (RuntimeError, TypeError):
+            raise MPXError(
+                f"device_type: {name!r} is not a torch device type; use 'cpu', 'cuda', another "
+                "torch.device type, or None for the CPU, the default device and CUDA"
+            ) from None
+        if kind not in out:
+            out.append(kind)
+    if not out:
+        raise MPXError("device_type: the sequence is empty; name at least one device type, or pass None")
+    return tuple(out)
+
+
+def _autocast_enabled(device_type: str) -> bool:
+    try:
+        return bool(torch.is_autocast_enabled(device_type))
+    except TypeError:  # torch < 2.4 takes no argument
+        if device_type == "cpu":
+            return bool(torch.is_autocast_cpu_enabled())
+        return device_type == "cuda" and bool(torch.is_autocast_enabled())
+
+
+def _set_autocast_enabled(device_type: str, enabled: bool) -> None:
+    try:
+        torch.set_autocast_enabled(device_type, enabled)
+    except TypeError:  # torch < 2.4
+        if device_type == "cpu":
+            torch.set_autocast_cpu_enabled(enabled)
+        else:
+            torch.set_autocast_enabled(enabled)
+
+
+class _no_autocast:
+    """Autocast off on ``devices`` for a block (the flag only: cheaper than ``torch.autocast(enabled=False)``)."""
+
+    __slots__ = ("devices", "off")
+
+    def __init__(self, devices: tuple[str, ...]) -> None:
+        self.devices = devices
+
+    def __enter__(self) -> None:
+        self.off = [dev for dev in self.devices if _autocast_enabled(dev)]
+        for dev in self.off:
+            _set_autocast_enabled(dev, False)
+
+    def __exit__(self, *exc: object) -> None:
+        for dev in self.off:
+            _set_autocast_enabled(dev, True)
+
+
+# -- handlers -------------------------------------------------------------------------
+
+
+def _leave_alone(args: tuple, kwargs: dict) -> bool:
+    """An explicit ``dtype=`` or ``out=`` fixes the result: the op is left to torch."""
+    if kwargs and (kwargs.get("dtype") is not None or kwargs.get("out") is not None):
+        return True
+    return any(type(a) is torch.dtype for a in args)
+
+
+def _cast(value: Any, pick: Callable[[torch.Tensor], torch.dtype | None]) -> Any:
+    if isinstance(value, torch.Tensor):
+        target = pick(value)
+        return value if target is None else value.to(target)
+    if isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
+        return type(value)(_cast(v, pick) for v in value)
+    return value
+
+
+def _floating(args: Iterable[Any]) -> Iterable[torch.Tensor]:
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if a.is_floating_point():
+                yield a
+        elif isinstance(a, (list, tuple)):
+            for b in a:
+                if isinstance(b, torch.Tensor) and b.is_floating_point():
+                    yield b
+
+
+def _up(t: torch.Tensor) -> torch.dtype | None:
+    return torch.float32 if t.dtype in _HALF else None
+
+
+def _call_cast(
+    func: Callable,
+    args: tuple,
+    kwargs: dict,
+    pick: Callable[[torch.Tensor], torch.dtype | None],
+    devices: tuple[str, ...] | None,
+) -> Any:
+    """Call ``func`` with its tensors cast by ``pick``; batch-norm running stats are written back."""
+    new_args = tuple(_cast(a, pick) for a in args)
+    new_kwargs = {k: _cast(v, pick) for k, v in kwargs.items()} if kwargs else kwargs
+    write_back = []
+    for pos, name in RUNNING_STATS.get(func, ()):
+        if pos < len(args):
+            old, new = args[pos], new_args[pos]
+        elif name in kwargs:
+            old, new = kwargs[name], new_kwargs[name]
+        else:
+            continue
+        if isinstance(old, torch.Tensor) and new is not old:
+            write_back.append((old, new))
+    if devices:
+        with _no_autocast(devices):
+            out = func(*new_args, **new_kwargs)
+    else:
+        out = func(*new_args, **new_kwargs)
+    if write_back:
+        with torch.no_grad():
+            for old, new in write_back:
+                old.copy_(new)
+    return out
+
+
+def _float32_handler(devices: tuple[str, ...] | None) -> _Handler:
+    """Half-precision inputs cast to float32 (float64 stays); autocast off where torch would lower."""
+    tensor, half, f32, dtype = torch.Tensor, _HALF, torch.float32, torch.dtype
+
+    def handler(func: Callable, args: tuple, kwargs: dict) -> Any:
+        if devices is None and not kwargs and func not in RUNNING_STATS:
+            # the common case (x.sum(), torch.softmax(x, -1)...): positional tensors only
+            new = []
+            for a in args:
+                if isinstance(a, tensor):
+                    if a.dtype in half:
+                        a = a.to(f32)
+                elif type(a) is dtype or (isinstance(a, (list, tuple)) and a and isinstance(a[0], tensor)):
+                    break
+                new.append(a)
+            else:
+                return func(*new)
+        if _leave_alone(args, kwargs):
+            return func(*args, **kwargs)
+        return _call_cast(func, args, kwargs, _up, devices)
+
+    return handler
+
+
+def _lower_handler(compute: torch.dtype, devices: tuple[str, ...], input_only: bool) -> _Handler:
+    """float32 (and the other half dtype) cast to the compute dtype, autocast off (its float32 lists)."""
+
+    def pick(t: torch.Tensor) -> torch.dtype | None:
+        return compute if t.dtype in (torch.float32, *_HALF) and t.dtype != compute else None
+
+    def handler(func: Callable, args: tuple, kwargs: dict) -> Any:
+        if _leave_alone(args, kwargs):
+            return func(*args, **kwargs)
+        if input_only:  # batch_norm: the input lowers, float32 weights and running stats stay (mixed BN)
+            args = (_cast(args[0], pick), *args[1:]) if args else args
+            with _no_autocast(devices):
+                return func(*args, **kwargs)
+        return _call_cast(func, args, kwargs, pick, devices)
+
+    return handler
+
+
+def _promote_handler(devices: tuple[str, ...] | None) -> _Handler:
+    """Every floating tensor cast to the widest floating input (autocast off where it would interfere)."""
+    names = {v: k for k, v in _TORCH_DTYPES.items()}
+
+    def handler(func: Callable, args: tuple, kwargs: dict) -> Any:
+        dtypes = {t.dtype for t in _floating((*args, *kwargs.values()))}
+        if len(dtypes) <= 1 or not dtypes <= names.keys():
+            if devices is None:
+                return func(*args, **kwargs)
+            with _no_autocast(devices):
+                return func(*args, **kwargs)
+        widest = _TORCH_DTYPES[widest_dtype([names[d] for d in dtypes])]
+        return _call_cast(
+            func,
+            args,
+            kwargs,
+            lambda t: widest if t.is_floating_point() and t.dtype != widest else None,
+            devices,
+        )
+
+    return handler
+
+
+def _passthrough_handler(devices: tuple[str, ...]) -> _Handler:
+    """The first floating input's dtype for every floating tensor, autocast off."""
+
+    def handler(func: Callable, args: tuple, kwargs: dict) -> Any:
+        first = next(iter(_floating((*args, *kwargs.values()))), None)
+        if first is None:
+            with _no_autocast(devices):
+                return func(*args, **kwargs)
+        target = first.dtype
+        return _call_cast(
+            func,
+            args,
+            kwargs,
+            lambda t: target if t.is_floating_point() and t.dtype != target else None,
+            devices,
+        )
+
+    return handler
+
+
+def _check_table(table: OpTable) -> None:
+    unknown = [op for op in table if op not in FUNCTIONS]
+    if unknown:
+        raise MPXError(
+            f"op_table: op {unknown[0]!r} has no PyTorch functions in mpx_torch; mapped ops: "
+            f"{', '.join(FUNCTIONS)}"
+        )
+
+
+@functools.lru_cache(maxsize=256)
+def _lowering_table(policy: Policy, table: OpTable, devices: tuple[str, ...]) -> dict[Callable, _Handler]:
+    """func -> handler for a half-precision policy, where the policy's class differs from torch's."""
+    _check_table(table)
+    compute = _TORCH_DTYPES[policy.compute_dtype]
+    out: dict[Callable, _Handler] = {}
+    for op in table:
+        cls = table.classify(op, policy)
+        for func, native in FUNCTIONS[op]:
+            if cls is native:
+                continue
+            if cls is OpClass.FLOAT32:
+                handler = _float32_handler(devices if native is OpClass.LOWER else None)
+            elif cls is OpClass.LOWER:
+                handler = _lower_handler(compute, devices, input_only=func in RUNNING_STATS)
+            elif cls is OpClass.PROMOTE:
+                handler = _promote_handler(None if native == PROMOTE_EXCEPT_HALF_MIX else devices)
+            else:
+                handler = _passthrough_handler(devices)
+            out[func] = handler
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _float32_table(table: OpTable) -> dict[Callable, _Handler]:
+    """func -> handler inside a float32 region nested in a lowering one: half inputs computed in float32."""
+    _check_table(table)
+    handler = _float32_handler(None)  # autocast is off in the whole region
+    out: dict[Callable, _Handler] = {}
+    for op in table:
+        if table[op] in (OpClass.LOWER, OpClass.FLOAT32):
+            for func, _ in FUNCTIONS[op]:
+                out[func] = handler
+    return out
+
+
+# -- the mode ---------------------------------------------------------------------------
+class _MPXMode(TorchFunctionMode):
+    """Routes the functions in ``table`` to their handler; every other call goes straight through."""
+
+    def __init__(self, table: dict[Callable, _Handler]) -> None:
+        super().__init__()
+        self.table = table
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        handler = self.table.get(func)
+        if handler is None:
+            return func(*args, **(kwargs or {}))
+        return handler(func, args, kwargs or {})
+
+
+class _ThreadState(threading.local):
+    mode: _MPXMode | None = None
+
+
+_state = _ThreadState()
+
+
+class autocast(contextlib.ContextDecorator):
+    """Run a region under an mpx policy: ``torch.autocast`` plus the mpx op table.
+
+    Args:
+        policy: an :class:`mpx.Policy` or anything :func:`mpx.get_policy` reads
+            (``"mixed_bfloat16"``, ``"bf16-mixed"``, ``"params=float32,compute=float16"``...).
+        device_type: the device type to autocast (``"cpu"``, ``"cuda"``...), a
+            sequence of them, or None (the default) for every device the inputs
+            may live on: the CPU, ``torch.get_default_device()``'s type, and
+            CUDA when it is available (each device type has its own autocast
+            state in torch, so entering several costs nothing per op).
+        op_table: the op table to enforce (default :data:`mpx.OP_TABLE`); a copy
+            made with ``OP_TABLE.replace(...)`` reclassifies ops.
+        cache_enabled: passed to ``torch.autocast`` (None: torch's default).
+
+    Under a policy whose compute dtype is float16 or bfloat16, FLOAT32 ops
+    (softmax, log_softmax, the norms, the losses, exp, log, pow, sum, mean,
+    cumsum, prod, logsumexp, vector_norm) return float32 on every device,
+    LOWER ops the compute dtype, PROMOTE ops the widest input, PASSTHROUGH ops
+    their input's dtype; ``keep_fp32`` choices move categories to LOWER (via
+    :func:`mpx.classify`).  Functional calls (``torch.softmax``,
+    ``F.layer_norm``, ``x.sum()``) count as well as modules.  An explicit
+    ``dtype=`` or ``out=`` argument is left to torch, and so are in-place
+    methods (``x.exp_()``) and float64 inputs, which no op lowers (as in
+    ``torch.autocast``).  PROMOTE follows torch's type promotion, in which
+    a 0-dim tensor does not widen a dimensioned one.
+
+    A float32 (or float64) policy is a no-op, unless it is entered inside an
+    active autocast region (mpx's or torch's): there it turns autocast off and
+    computes half-precision inputs of LOWER and FLOAT32 ops in float32.
+
+    Usable as a decorator.  Raises :class:`mpx.PolicyError` for a bad spec and
+    :class:`mpx.MPXError` for a bad ``device_type``.
+    """
+
+    def __init__(
+        self,
+        policy: PolicySpec,
+        device_type: str | torch.device | Sequence[str] | None = None,
+        *,
+        op_table: OpTable | None = None,
+        cache_enabled: bool | None = None,
+    ) -> None:
+        self.policy = get_policy(policy)
+        self.device_types = _device_types(device_type)
+        if op_table is None:
+            op_table = OP_TABLE
+        if not isinstance(op_table, OpTable):
+            raise MPXError(f"op_table: expected an mpx.OpTable or None, got {type(op_table).__name__}")
+        self.op_table = op_table
+        self.cache_enabled = cache_enabled
+        self._table = self._build_table()
+        self._region = False  # prepare: a float32 policy computes half inputs in float32 even when alone
+        self._frames: list[tuple | None] = []
+
+    def _build_table(self) -> dict[Callable, _Handler]:
+        if self.policy.lowers_precision:
+            return _lowering_table(self.policy, self.op_table, self.device_types)
+        return _float32_table(self.op_table)
+
+    def __getstate__(self) -> dict[str, Any]:  # handlers are closures: rebuilt on unpickling
+        return {k: v for k, v in self.__dict__.items() if k not in ("_table", "_frames")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._frames = []
+        self._table = self._build_table()
+
+    def _recreate_cm(self) -> autocast:  # a fresh context for each decorated call
+        clone = copy.copy(self)
+        clone._frames = []
+        return clone
+
+    def _enter(self) -> tuple | None:
+        """Enter the region; returns the frame that :meth:`_exit` undoes (None: nothing was done)."""
+        mode = _state.mode
+        casts: list[Any] = []
+        disabled: tuple[str, ...] = ()
+        if self.policy.lowers_precision:
+            dtype = _TORCH_DTYPES[self.policy.compute_dtype]
+            kwargs = {} if self.cache_enabled is None else {"cache_enabled": self.cache_enabled}
+            try:
+                for dev in self.device_types:
+                    cast = torch.autocast(dev, dtype=dtype, **kwargs)
+                    cast.__enter__()
+                    casts.append(cast)
+            except BaseException:
+                for cast in reversed(casts):
+                    cast.__exit__(None, None, None)
+                raise
+        else:
+            disabled = tuple(dev for dev in self.device_types if _autocast_enabled(dev))
+            if mode is None and not disabled and not self._region:
+                return None  # nothing to turn off: a no-op
+            for dev in disabled:
+                _set_autocast_enabled(dev, False)
+        if mode is None:
+            mode = _MPXMode(self._table)
+            mode.__enter__()
+            _state.mode = mode
+            return (casts, disabled, mode, True, None)
+        previous = mode.table
+        mode.table = self._table
+        return (casts, disabled, mode, False, previous)
+
+    @staticmethod
+    def _exit(frame: tuple | None) -> None:
+        if frame is None:
+            return
+        casts, disabled, mode, owned, previous = frame
+        if owned:
+            _state.mode = None
+            mode.__exit__(None, None, None)
+        else:
+            mode.table = previous
+        for dev in disabled:
+            _set_autocast_enabled(dev, True)
+        for cast in reversed(casts):
+            cast.__exit__(None, None, None)
+
+    def __enter__(self) -> autocast:
+        self._frames.append(self._enter())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._exit(self._frames.pop())
+
+    def __repr__(self) -> str:
+        return f"mpx_torch.autocast({str(self.policy)!r}, device_type={self.device_types!r})"

@@ -1,0 +1,159 @@
+"""The CUDA checks of mpx_torch, as one script (not a test): run it on a machine with a GPU.
+
+    python tests/torch/cuda_check.py          # prints three sections, exits 1 on a failed check
+
+1. CUDA autocast op dtypes, native torch.autocast vs mpx_torch.autocast, against mpx.result_dtype;
+2. GradScaler with fused AdamW under torch.cuda.set_sync_debug_mode("error") (no host sync);
+3. step time of an MLP (1024-4096-1024, batch 256, AdamW): bf16 vs fp32, native and mpx.
+Without CUDA it says so and exits 0.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import mpx
+import mpx_torch
+
+NAMES = {
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.float32: "float32",
+    torch.float64: "float64",
+}
+
+
+def op_dtypes() -> int:
+    spec = importlib.util.spec_from_file_location("cases", Path(__file__).with_name("test_autocast.py"))
+    cases = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cases)
+    failures = differs = 0
+    print("== 1. CUDA op dtypes: op form | input | native | mpx | expected")
+    for compute in ("float16", "bfloat16"):
+        policy = mpx.get_policy(f"mixed_{compute}")
+        for in_name, dt in (("float32", torch.float32), (compute, cases.HALF[compute])):
+            for op, forms in cases.CASES.items():
+                for form, fn in forms.items():
+                    expected = mpx.result_dtype(op, policy, [in_name])
+                    with torch.autocast("cuda", dtype=cases.HALF[compute]):
+                        native = NAMES[fn(dt, "cuda").dtype]
+                    with mpx_torch.autocast(policy, "cuda"):
+                        ours = NAMES[fn(dt, "cuda").dtype]
+                    failures += ours != expected
+                    differs += native != expected
+                    flag = "FAIL" if ours != expected else ("differs natively" if native != expected else "")
+                    print(f"  {compute:8} {op}/{form:34} {in_name:8} {native:8} {ours:8} {expected:8} {flag}")
+    print(f"  mpx failures: {failures}; native differs from mpx's spec: {differs}")
+    return failures
+
+
+def no_sync() -> int:
+    print("== 2. GradScaler + fused AdamW under set_sync_debug_mode('error')")
+    model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256)).cuda()
+    mpx_torch.prepare(model, "mixed_float16")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    scaler = mpx_torch.GradScaler("mixed_float16")
+    x = torch.randn(64, 256, device="cuda")
+
+    def iteration(inject: bool) -> None:
+        opt.zero_grad(set_to_none=True)
+        loss = nn.functional.mse_loss(model(x), x)
+        scaler.scale(loss).backward()
+        if inject:
+            model[0].weight.grad[0, 0] = float("inf")  # an indexed write of a constant: no sync
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+
+    iteration(False)  # the first step creates the AdamW state and syncs once, by design
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        torch.cuda.set_sync_debug_mode("error")
+        for i in range(20):
+            iteration(inject=(i == 10))
+        torch.cuda.set_sync_debug_mode(0)
+    except RuntimeError as err:
+        torch.cuda.set_sync_debug_mode(0)
+        print(f"  FAIL: a host sync: {err}")
+        return 1
+    state = scaler.state
+    changed = any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    ok = state.steps == 21 and state.skipped_steps == 1 and changed
+    print(f"  no sync in 20 iterations; state {state}; {'ok' if ok else 'FAIL'}")
+    return 0 if ok else 1
+
+
+def step_times() -> None:
+    print("== 3. MLP 1024-4096-1024, batch 256, AdamW (fused): median ms per step")
+    x, y = torch.randn(256, 1024, device="cuda"), torch.randn(256, 1024, device="cuda")
+
+    def run(spec: str, use_mpx: bool) -> float:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024)).cuda()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        policy = mpx.get_policy(spec)
+        if use_mpx:
+            mpx_torch.prepare(model, policy, device_type="cuda")
+            scaler = mpx_torch.GradScaler(policy)
+
+            def forward():
+                return model(x)
+        else:
+            scaler = torch.amp.GradScaler("cuda", enabled=policy.compute_dtype == "float16")
+            dtype = mpx_torch.to_torch_dtype(policy.compute_dtype)
+
+            def forward():
+                with torch.autocast("cuda", dtype=dtype, enabled=policy.lowers_precision):
+                    return model(x)
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            loss = nn.functional.mse_loss(forward().float(), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+
+        for _ in range(10):
+            step()
+        times = []
+        for _ in range(50):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            step()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times) * 1000
+
+    res = {
+        (spec, m): run(spec, m)
+        for spec in ("float32", "mixed_bfloat16", "mixed_float16")
+        for m in (False, True)
+    }
+    for use_mpx in (False, True):
+        f32 = res[("float32", use_mpx)]
+        line = ", ".join(
+            f"{spec} {res[(spec, use_mpx)]:.2f} ({res[(spec, use_mpx)] / f32:.2f}x)"
+            for spec in ("float32", "mixed_bfloat16", "mixed_float16")
+        )
+        print(f"  {'mpx   ' if use_mpx else 'native'}: {line}")
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to check")
+        return 0
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
+    failures = op_dtypes() + no_sync()
+    step_times()
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
