@@ -115,7 +115,11 @@ def run_policy(p: dict, mode: str) -> dict:
     policy = mpx.get_policy(p["spec"])
     model = nn.Sequential(nn.Linear(4, 3))
     seen = {}
-    model[0].register_forward_hook(lambda m, i, o: seen.setdefault("compute", dtype_name(o.dtype)))
+
+    def hook(module: nn.Module, inputs: Any, output: torch.Tensor) -> None:
+        seen["compute"] = dtype_name(output.dtype)
+
+    model[0].register_forward_hook(hook)
     _mpx_torch().prepare(model, policy)
     out = model(torch.randn(2, 4))
     return {
