@@ -92,7 +92,9 @@ def _op(op: str, dtype: str, other: str | None):
         "bce_with_logits": (lambda a, b: optax.sigmoid_binary_cross_entropy(a, b).mean(), (x, nn.sigmoid(y))),
         "exp": (jnp.exp, (x,)),
         "log": (jnp.log, (_x((4, 8), dtype, positive=True),)),
-        "pow": (lambda a: a**2, (x,)),
+        # lax.pow; an integer power (a**2) is integer_pow, which autocast treats as elementwise
+        # because jax inlines it into composites such as gelu
+        "pow": (lambda a: jnp.power(a, 2.5), (jnp.abs(x),)),
         "sum": (jnp.sum, (x,)),
         "mean": (jnp.mean, (x,)),
         "cumsum": (lambda a: jnp.cumsum(a, 0), (x,)),
@@ -138,10 +140,12 @@ def run_policy(p: dict, mode: str) -> dict:
 
     model = mpx_flax.apply_policy(Model(nnx.Rngs(0)), p["spec"])
     x = jnp.ones((2, 4), jnp.float32)
+    # NNX modules have no output hook: the documented pattern casts the model's outputs.
+    out = _mpx_jax().cast_to_output(p["spec"], model(x))
     return {
         "params": dtype_name(model.dense.kernel.value.dtype),
         "compute": dtype_name(model.dense(x).dtype),
-        "output": dtype_name(model(x).dtype),
+        "output": dtype_name(out.dtype),
     }
 
 

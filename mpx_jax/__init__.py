@@ -1,0 +1,29 @@
+"""mpx for JAX: policy casting, a jit-native loss scale, optax loss scaling and autocast.
+
+Flax lives in :mod:`mpx_jax.flax` (imported separately, so this package needs
+only jax and optax).
+
+>>> import mpx, mpx_jax
+>>> ls = mpx_jax.LossScale.create(mpx.ScalerConfig(growth_interval=1))
+>>> float(ls.update(True).loss_scale)
+131072.0
+"""
+
+from mpx_jax.autocast import autocast
+from mpx_jax.casting import cast_to_compute, cast_to_output, cast_to_param, cast_tree
+from mpx_jax.loss_scale import LossScale, all_finite, select_tree
+from mpx_jax.transform import LossScalingState, get_loss_scale, with_loss_scaling
+
+__all__ = [
+    "LossScale",
+    "LossScalingState",
+    "all_finite",
+    "autocast",
+    "cast_to_compute",
+    "cast_to_output",
+    "cast_to_param",
+    "cast_tree",
+    "get_loss_scale",
+    "select_tree",
+    "with_loss_scaling",
+]

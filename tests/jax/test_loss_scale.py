@@ -1,0 +1,242 @@
+import json
+import pickle
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import mpx
+from mpx_jax import LossScale, all_finite, select_tree
+from mpx_jax.loss_scale import INT32_MAX, _mul_f32
+
+F32_MAX = float(np.finfo(np.float32).max)
+
+
+def f32_bits(x):
+    return np.asarray(x, np.float32).view(np.int32)
+
+
+# -- the exact float32 product -------------------------------------------------------
+nonneg_f32 = st.integers(0, 0x7F7FFFFF).map(lambda b: float(np.int32(b).view(np.float32)))
+factor = st.one_of(
+    st.sampled_from([0.5, 2.0, 0.25, 3.0, 1.5, 0.999, 1.0001, 0.1]),
+    st.integers(1, 0x7F7FFFFF).map(lambda b: float(np.int32(b).view(np.float32))),
+)
+
+
+@settings(max_examples=50, deadline=None)
+@given(a=st.lists(nonneg_f32, min_size=64, max_size=64), b=factor)
+def test_mul_f32_matches_numpy_bit_for_bit(a, b):
+    a = np.asarray(a, np.float32)
+    with np.errstate(over="ignore"):
+        expected = (a * np.float32(b)).view(np.int32)
+    got = jax.jit(jax.vmap(_mul_f32, in_axes=(0, None)), static_argnums=1)(jnp.asarray(a), b)
+    np.testing.assert_array_equal(np.asarray(got), expected)
+
+
+def test_xla_cpu_flushes_subnormals_which_is_why_mul_is_integer():
+    # documents the platform fact the integer product works around
+    tiny = jnp.float32(1e-40)
+    flushed = jax.jit(lambda a: a * jnp.float32(0.5))(tiny)
+    got = jax.jit(_mul_f32, static_argnums=1)(tiny, 0.5)
+    assert int(got) == int(f32_bits(np.float32(1e-40) * np.float32(0.5)))
+    assert float(flushed) in (0.0, float(np.float32(1e-40) * np.float32(0.5)))
+
+
+# -- traces against mpx.scaler_update -------------------------------------------------------
+positive = st.one_of(
+    st.sampled_from([1.0, 2.0**16, 2.0**24, 0.5, 1e-3, 1e-38, 1e-44, F32_MAX, 3e38]),
+    st.floats(1e-45, F32_MAX, allow_nan=False, allow_infinity=False),
+)
+
+
+@st.composite
+def configs(draw):
+    kind = draw(st.sampled_from(["dynamic", "dynamic", "static", "none"]))
+    values = sorted(draw(st.lists(positive, min_size=3, max_size=3)))
+    lo, init, hi = values
+    min_scale = draw(st.sampled_from([lo, None]))
+    max_scale = draw(st.sampled_from([hi, None]))
+    kw = dict(
+        kind=kind,
+        init_scale=init,
+        growth_factor=draw(st.sampled_from([2.0, 1.5, 3.0, 1.0001, 1e10])),
+        backoff_factor=draw(st.sampled_from([0.5, 0.25, 0.9, 1e-3, 1e-20])),
+        growth_interval=draw(st.integers(1, 4)),
+        min_scale=min_scale,
+        max_scale=max_scale,
+        hysteresis=draw(st.integers(1, 3)),
+        skip_nonfinite=draw(st.sampled_from([None, True, False])),
+    )
+    try:
+        return mpx.ScalerConfig(**kw)
+    except mpx.ScalerConfigError:
+        return mpx.ScalerConfig(kind=kind, growth_interval=kw["growth_interval"], hysteresis=kw["hysteresis"])
+
+
+def device_trace(config, flags):
+    @jax.jit
+    def run(ls, flags):
+        def step(ls, finite):
+            ls = ls.update(finite)
+            return ls, ls
+
+        return jax.lax.scan(step, ls, flags)[1]
+
+    out = run(LossScale.create(config), jnp.asarray(flags, bool))
+    return jax.device_get(out)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(config=configs(), flags=st.lists(st.booleans(), min_size=1, max_size=40))
+def test_trace_is_bit_identical_to_reference(config, flags):
+    trace = device_trace(config, flags)
+    state = mpx.scaler_init(config)
+    for i, finite in enumerate(flags):
+        state = mpx.scaler_update(config, state, finite)
+        assert trace.loss_scale.dtype == np.float32
+        assert int(f32_bits(trace.loss_scale[i])) == int(f32_bits(state.scale)), (i, config)
+        assert int(trace.growth_tracker[i]) == state.growth_tracker
+        assert int(trace.consecutive_nonfinite[i]) == state.consecutive_nonfinite
+        assert int(trace.steps[i]) == state.steps
+        assert int(trace.skipped_steps[i]) == state.skipped_steps
+
+
+def test_subnormal_scales_follow_reference_without_floor():
+    config = mpx.ScalerConfig(init_scale=1e-37, min_scale=None, max_scale=None, growth_interval=3)
+    flags = [False] * 30 + [True] * 9 + [False] * 5
+    trace = device_trace(config, flags)
+    state = mpx.scaler_init(config)
+    for i, finite in enumerate(flags):
+        state = mpx.scaler_update(config, state, finite)
+        assert int(f32_bits(trace.loss_scale[i])) == int(f32_bits(state.scale)), i
+    assert 0 < state.scale < 1.1754944e-38 or state.scale == 0.0
+
+
+def test_eager_update_matches_and_accepts_python_and_array_flags():
+    config = mpx.ScalerConfig(growth_interval=2, hysteresis=2)
+    ls, state = LossScale.create(config), mpx.scaler_init(config)
+    for finite in (True, jnp.asarray(True), np.bool_(False), False, True):
+        ls = ls.update(finite)
+        state = mpx.scaler_update(config, state, bool(finite))
+    assert ls.state == state
+    with pytest.raises(ValueError, match="scalar"):
+        ls.update(jnp.array([True, False]))
+
+
+# -- pytree behaviour ---------------------------------------------------------------
+def test_flatten_unflatten_keeps_every_field_including_small_min_scale():
+    config = mpx.ScalerConfig(init_scale=0.5, min_scale=0.125, max_scale=4.0, hysteresis=2, growth_interval=7)
+    ls = LossScale.create(config).update(False).update(False)
+    leaves, treedef = jax.tree_util.tree_flatten(ls)
+    assert len(leaves) == 5
+    back = jax.tree_util.tree_unflatten(treedef, leaves)
+    assert back.config == config and back.config.min_scale == 0.125
+    assert back.state == ls.state
+    # leaves only: every leaf is state, never config
+    mapped = jax.tree_util.tree_map(lambda x: x, ls)
+    assert mapped.config == config and mapped.state == ls.state
+    assert sorted(str(x.dtype) for x in leaves) == ["float32", "int32", "int32", "int32", "int32"]
+    # the floor holds after the round trip
+    for _ in range(10):
+        back = back.update(False)
+    assert float(back.loss_scale) == 0.125
+
+
+def test_jit_argument_and_result_and_pickle_round_trip():
+    config = mpx.ScalerConfig(min_scale=2.0**-10, init_scale=1.0)
+    ls = LossScale.create(config)
+    out = jax.jit(lambda s: s.update(False))(ls)
+    assert out.config == config and float(out.loss_scale) == 0.5
+    again = pickle.loads(pickle.dumps(out))
+    assert again.config == config and again.state == out.state
+
+
+def test_checkpoint_of_leaves_round_trip(tmp_path):
+    config = mpx.ScalerConfig(min_scale=0.25, init_scale=1.0)
+    ls = LossScale.create(config).update(False)
+    leaves, treedef = jax.tree_util.tree_flatten(ls)
+    np.savez(tmp_path / "ckpt.npz", *[np.asarray(x) for x in leaves])
+    data = np.load(tmp_path / "ckpt.npz")
+    loaded = [jnp.asarray(data[f"arr_{i}"]) for i in range(len(leaves))]
+    back = jax.tree_util.tree_unflatten(treedef, loaded)
+    assert back.state == ls.state and back.config.min_scale == 0.25
+
+
+def test_config_change_recompiles_scale_change_does_not():
+    traces = []
+
+    @jax.jit
+    def f(ls):
+        traces.append(1)
+        return ls.update(True)
+
+    ls = LossScale.create(mpx.ScalerConfig(growth_interval=1))
+    for _ in range(5):
+        ls = f(ls)
+    assert len(traces) == 1 and float(ls.loss_scale) == 2.0**21
+    f(LossScale.create(mpx.ScalerConfig(growth_interval=2)))
+    assert len(traces) == 2
+
+
+# -- state dicts ----------------------------------------------------------------------------
+def test_state_dict_round_trip_and_neutral_format():
+    config = mpx.ScalerConfig(min_scale=0.5, init_scale=8.0, growth_interval=3)
+    ls = LossScale.create(config).update(True).update(False).update(True)
+    d = json.loads(json.dumps(ls.state_dict()))
+    assert d["format"] == "mpx.scaler/1" and d["scale"] == 4.0
+    back = LossScale.from_state_dict(d)
+    assert back.config == config and back.state == ls.state
+    core = mpx.LossScaler.from_state_dict(d)
+    assert core.state == ls.state
+    assert LossScale.from_state_dict(core.state_dict()).state == core.state
+
+
+def test_state_dict_errors():
+    d = LossScale.create().state_dict()
+    with pytest.raises(mpx.StateDictError):
+        LossScale.from_state_dict({**d, "scale": -1.0})
+    with pytest.raises(mpx.StateDictError):
+        LossScale.from_state_dict({**d, "format": "jmp"})
+    with pytest.raises(ValueError, match="int32"):
+        LossScale.from_state_dict({**d, "steps": INT32_MAX + 1})
+    with pytest.raises(ValueError, match="int32"):
+        LossScale.create(mpx.ScalerConfig(growth_interval=2**31))
+    with pytest.raises(mpx.ScalerConfigError, match="config"):
+        LossScale.create({"kind": "dynamic"})
+
+
+# -- scale / unscale -------------------------------------------------------------------------
+def test_scale_and_unscale_dtypes():
+    ls = LossScale.create()
+    assert ls.loss_scale.dtype == jnp.float32
+    t = {"h": jnp.float16(2.0), "b": jnp.bfloat16(1.0), "f": jnp.float32(3.0), "i": jnp.int32(4)}
+    scaled = ls.scale(t)
+    assert scaled["h"].dtype == jnp.float32 and float(scaled["h"]) == 2.0 * 65536
+    assert scaled["b"].dtype == jnp.float32 and scaled["f"].dtype == jnp.float32
+    assert scaled["i"] is t["i"]
+    grads = {"h": jnp.full(3, 65504, jnp.float16), "f": jnp.full(2, 2.0**-20, jnp.float32)}
+    un = ls.unscale(grads)
+    assert un["h"].dtype == jnp.float32 and float(un["h"][0]) == 65504 / 65536
+    assert float(un["f"][0]) == 2.0**-36
+    none = LossScale.create(mpx.ScalerConfig(kind="none"))
+    assert none.unscale({"x": jnp.float16(1.5)})["x"].dtype == jnp.float32
+
+
+def test_all_finite_and_select_tree():
+    assert bool(all_finite({})) and bool(all_finite([jnp.arange(3)]))
+    assert not bool(all_finite({"a": jnp.ones(2), "b": [jnp.array([jnp.nan])]}))
+    assert not bool(all_finite(jnp.array([jnp.inf], jnp.bfloat16)))
+    assert bool(jax.jit(all_finite)({"a": jnp.ones(2, jnp.float16)}))
+    a, b = {"x": jnp.ones(2), "k": jnp.int32(1)}, {"x": jnp.zeros(2), "k": jnp.int32(2)}
+    out = jax.jit(select_tree)(jnp.asarray(False), a, b)
+    assert out["x"].tolist() == [0.0, 0.0] and int(out["k"]) == 2
+    with pytest.raises(ValueError, match="structure"):
+        select_tree(jnp.asarray(True), a, {"x": jnp.ones(2)})
+    with pytest.raises(ValueError, match="leaves differ"):
+        select_tree(jnp.asarray(True), {"x": jnp.ones(2)}, {"x": jnp.ones(2, jnp.bfloat16)})
+    with pytest.raises(ValueError, match="boolean scalar"):
+        select_tree(jnp.ones(2, bool), a, b)

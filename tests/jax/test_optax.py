@@ -1,0 +1,243 @@
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import mpx
+from mpx_jax import LossScale, LossScalingState, get_loss_scale, with_loss_scaling
+
+
+def init_params():
+    k1, k2 = jax.random.split(jax.random.PRNGKey(0))
+    return {"w": jax.random.normal(k1, (4, 3)), "b": jnp.zeros(3), "v": jax.random.normal(k2, (3,))}
+
+
+X = jnp.asarray(np.random.default_rng(0).standard_normal((8, 4)), jnp.float32)
+
+
+def loss_fn(p, x, poison, dtype=jnp.float32):
+    h = jnp.tanh(x.astype(dtype) @ p["w"].astype(dtype) + p["b"].astype(dtype))
+    out = (h @ p["v"].astype(dtype)).astype(jnp.float32)
+    return jnp.mean(out**2) * poison
+
+
+def make_step(tx, counter=None, dtype=jnp.float32):
+    @jax.jit
+    def step(params, opt_state, poison):
+        if counter is not None:
+            counter.append(1)
+        ls = get_loss_scale(opt_state)
+        grads = jax.grad(lambda p: ls.scale(loss_fn(p, X, poison, dtype)))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return step
+
+
+def tree_norm(t):
+    return jnp.sqrt(sum(jnp.sum(x.astype(jnp.float32) ** 2) for x in jax.tree_util.tree_leaves(t)))
+
+
+def close(a, b):
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-6, atol=1e-9)
+
+
+def bits_equal(a, b):
+    la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+    return len(la) == len(lb) and all(
+        x.dtype == y.dtype
+        and np.array_equal(
+            np.atleast_1d(np.asarray(x)).view(np.uint8), np.atleast_1d(np.asarray(y)).view(np.uint8)
+        )
+        for x, y in zip(la, lb, strict=True)
+    )
+
+
+@pytest.mark.parametrize("poison", [float("inf"), float("nan")])
+def test_skipped_step_leaves_params_and_moments_bit_identical(poison):
+    tx = with_loss_scaling(optax.adamw(1e-2), mpx.ScalerConfig(growth_interval=2))
+    params = init_params()
+    state = tx.init(params)
+    assert isinstance(state, LossScalingState)
+    step = make_step(tx)
+    params, state = step(params, state, 1.0)
+    before_p, before_inner = params, state.inner_state
+    params2, state2 = step(params, state, poison)
+    assert bits_equal(params2, before_p)
+    assert bits_equal(state2.inner_state, before_inner)  # mu, nu and count untouched
+    ls = get_loss_scale(state2)
+    assert float(ls.loss_scale) == 2.0**15 and int(ls.skipped_steps) == 1 and int(ls.steps) == 2
+    params3, state3 = step(params2, state2, 1.0)
+    assert not bits_equal(params3, params2)
+    assert int(state3.inner_state[0].count) == 2
+
+
+def test_float16_overflow_is_skipped_and_scale_backs_off_until_finite():
+    # a float16 model: 2**24 makes its backward pass overflow; the scaler finds a working scale
+    tx = with_loss_scaling(optax.sgd(0.1), mpx.ScalerConfig(init_scale=2.0**24))
+    params = init_params()
+    state = tx.init(params)
+    step = make_step(tx, dtype=jnp.float16)
+    first = params
+    while int(get_loss_scale(state).skipped_steps) == int(get_loss_scale(state).steps) < 30:
+        params, state = step(params, state, 1.0)
+        if int(get_loss_scale(state).skipped_steps) == int(get_loss_scale(state).steps):
+            assert bits_equal(params, first)
+    ls = get_loss_scale(state)
+    assert 0 < int(ls.skipped_steps) < int(ls.steps)
+    assert float(ls.loss_scale) == 2.0 ** (24 - int(ls.skipped_steps))
+    assert not bits_equal(params, first)
+
+
+def test_finite_steps_equal_unscaled_training():
+    base = optax.adam(1e-2)
+    tx = with_loss_scaling(base, mpx.ScalerConfig(init_scale=2.0**10, growth_interval=1))
+    p_ref, s_ref = init_params(), base.init(init_params())
+    p, s = init_params(), tx.init(init_params())
+    step = make_step(tx)
+    for _ in range(4):
+        g = jax.grad(lambda q: loss_fn(q, X, 1.0))(p_ref)
+        u, s_ref = base.update(g, s_ref, p_ref)
+        p_ref = optax.apply_updates(p_ref, u)
+        p, s = step(p, s, 1.0)
+    # power-of-two scales: scaling is exact; only XLA's fusion inside the cond may reorder sums
+    close(p, p_ref)
+    assert float(get_loss_scale(s).loss_scale) == 2.0**14
+
+
+def test_one_compile_across_scale_changes_and_no_host_transfer():
+    counter = []
+    tx = with_loss_scaling(optax.adamw(1e-3), mpx.ScalerConfig(growth_interval=1))
+    params = init_params()
+    state = tx.init(params)
+    step = make_step(tx, counter)
+    poisons = [jnp.float32(p) for p in (1.0, 1.0, np.inf, 1.0, np.nan, np.nan, 1.0)]
+    params, state = step(params, state, poisons[0])  # compile
+    scales = []
+    with jax.transfer_guard("disallow"):
+        for poison in poisons[1:]:
+            params, state = step(params, state, poison)
+            scales.append(get_loss_scale(state).loss_scale)
+    assert len(counter) == 1
+    assert [float(s) for s in scales] == [2.0**18, 2.0**17, 2.0**18, 2.0**17, 2.0**16, 2.0**17]
+    assert int(get_loss_scale(state).skipped_steps) == 3
+
+
+def test_chain_clips_unscaled_gradients():
+    clip = 0.05
+    inner = optax.chain(optax.clip_by_global_norm(clip), optax.sgd(1.0))
+    tx = with_loss_scaling(inner, mpx.ScalerConfig(init_scale=2.0**12))
+    params = init_params()
+    state = tx.init(params)
+    grads = jax.grad(lambda p: loss_fn(p, X, 1.0))(params)
+    scaled = jax.tree_util.tree_map(lambda g: g * 2.0**12, grads)
+    updates, _ = tx.update(scaled, state, params)
+    norm = tree_norm(updates)
+    assert float(tree_norm(grads)) > clip
+    np.testing.assert_allclose(float(norm), clip, rtol=1e-5)
+    ref, _ = inner.update(grads, inner.init(params), params)
+    close(updates, ref)
+
+
+def test_multisteps_accumulates_unscaled_finite_microbatches():
+    k = 3
+    base = optax.adam(1e-2)
+    tx = with_loss_scaling(optax.MultiSteps(base, k), mpx.ScalerConfig(growth_interval=100))
+    params = init_params()
+    state = tx.init(params)
+    step = make_step(tx)
+    seen, moved = [], []
+    poisons = [1.0, 1.0, 1.0, 1.0, np.inf, 1.0, 1.0, 1.0, 1.0]
+    for poison in poisons:
+        seen.append(float(get_loss_scale(state).loss_scale))
+        new_params, state = step(params, state, poison)
+        moved.append(not bits_equal(new_params, params))
+        params = new_params
+    s = 2.0**16
+    # the inf microbatch (call 4) is dropped and the scale backs off at once; the window still
+    # takes k finite microbatches, so the real updates come at calls 2 and 6 (from calls 3, 5, 6)
+    assert seen == [s] * 5 + [s / 2] * 4
+    assert moved == [False, False, True, False, False, False, True, False, False]
+    ls = get_loss_scale(state)
+    assert int(ls.skipped_steps) == 1 and int(ls.steps) == 9
+    # the result equals accumulating the six finite microbatches without scaling
+    ref_p, ref_s = init_params(), optax.MultiSteps(base, k).init(init_params())
+    ms = optax.MultiSteps(base, k)
+    for _ in range(6):
+        g = jax.grad(lambda q: loss_fn(q, X, 1.0))(ref_p)
+        u, ref_s = ms.update(g, ref_s, ref_p)
+        ref_p = optax.apply_updates(ref_p, u)
+    close(params, ref_p)
+
+
+def test_get_loss_scale_errors():
+    with pytest.raises(ValueError, match="no LossScale"):
+        get_loss_scale(optax.sgd(1.0).init(init_params()))
+    two = (LossScale.create(), LossScale.create())
+    with pytest.raises(ValueError, match="2 LossScale"):
+        get_loss_scale(two)
+    tx = with_loss_scaling(optax.sgd(1.0))
+    with pytest.raises(ValueError, match="LossScalingState"):
+        tx.update({"w": jnp.ones(1)}, optax.sgd(1.0).init({"w": jnp.ones(1)}))
+
+
+def test_no_skip_config_applies_every_update():
+    tx = with_loss_scaling(optax.sgd(1.0), mpx.ScalerConfig(kind="none"))
+    params = {"w": jnp.ones(2)}
+    state = tx.init(params)
+    updates, state = tx.update({"w": jnp.array([jnp.inf, 1.0])}, state, params)
+    assert not bool(jnp.isfinite(updates["w"][0])) and float(updates["w"][1]) == -1.0
+    assert int(get_loss_scale(state).skipped_steps) == 0
+    assert float(get_loss_scale(state).loss_scale) == 1.0
+
+
+def test_extra_args_are_forwarded():
+    inner = optax.contrib.reduce_on_plateau() if hasattr(optax, "contrib") else None
+    if inner is None:
+        pytest.skip("optax.contrib is missing")
+    tx = with_loss_scaling(optax.chain(optax.sgd(1.0), inner))
+    params = {"w": jnp.ones(2)}
+    state = tx.init(params)
+    updates, state = tx.update({"w": jnp.ones(2)}, state, params, value=jnp.float32(1.0))
+    assert updates["w"].shape == (2,)
+
+
+PMAP_SCRIPT = textwrap.dedent(
+    """
+    import jax, jax.numpy as jnp, numpy as np, optax, mpx
+    from mpx_jax import with_loss_scaling, get_loss_scale
+    assert jax.local_device_count() == 2, jax.devices()
+    for axis_name in ("dp", None):
+        tx = with_loss_scaling(optax.sgd(1.0), mpx.ScalerConfig(growth_interval=1), axis_name=axis_name)
+        params = {"w": jnp.ones(2)}
+        state = tx.init(params)
+        rep = lambda t: jax.tree_util.tree_map(lambda x: jnp.stack([x, x]), t)
+        # replica 1's gradient is infinite, replica 0's is finite
+        grads = {"w": jnp.array([[1.0, 1.0], [jnp.inf, 1.0]]) * 2.0**16}
+        upd, st = jax.pmap(tx.update, axis_name="dp")(grads, rep(state), rep(params))
+        scales = [float(s) for s in get_loss_scale(st).loss_scale]
+        zeros = [bool(jnp.all(u == 0)) for u in upd["w"]]
+        print(axis_name, scales, zeros)
+        if axis_name:
+            assert scales == [2.0**15, 2.0**15] and zeros == [True, True], (scales, zeros)
+        else:
+            assert scales == [2.0**17, 2.0**15] and zeros == [False, True], (scales, zeros)
+    print("OK")
+    """
+)
+
+
+def test_axis_name_makes_replicas_agree():
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run(
+        [sys.executable, "-c", PMAP_SCRIPT], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "OK" in proc.stdout

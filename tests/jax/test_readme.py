@@ -1,0 +1,29 @@
+"""The README's JAX examples run as written (each in a fresh interpreter)."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+NAMES = ["flax-nnx", "flax-linen", "jax-autocast"]
+
+
+def example(name):
+    for source in (ROOT / "README.md", ROOT / "docs" / "readme" / "jax.md"):
+        if not source.exists():
+            continue
+        for block in re.findall(r"```python\n(.*?)```", source.read_text(), flags=re.S):
+            if block.splitlines()[0].strip() == f"# readme-example: {name}":
+                return block
+    raise AssertionError(f"no README block marked '# readme-example: {name}'")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_readme_example_runs(name):
+    proc = subprocess.run(
+        [sys.executable, "-c", example(name)], capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
