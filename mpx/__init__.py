@@ -5,6 +5,7 @@ The core imports numpy and ml_dtypes only; the backends live in ``mpx_torch``,
 """
 
 from mpx._version import __version__
+from mpx.advice import SlowPolicyWarning, warn_if_slow
 from mpx.dtypes import (
     CANONICAL_DTYPES,
     FLOATING_DTYPES,
@@ -52,6 +53,7 @@ __all__ = [
     "ScalerConfig",
     "ScalerConfigError",
     "ScalerState",
+    "SlowPolicyWarning",
     "StateDictError",
     "__version__",
     "canonical_dtype",
@@ -64,5 +66,6 @@ __all__ = [
     "scaler_init",
     "scaler_update",
     "state_dict",
+    "warn_if_slow",
     "widest_dtype",
 ]

@@ -12,7 +12,7 @@ NAMES = ["flax-nnx", "flax-linen", "jax-autocast"]
 
 
 def example(name):
-    for source in (ROOT / "README.md", ROOT / "docs" / "readme" / "jax.md"):
+    for source in (ROOT / "README.md",):
         if not source.exists():
             continue
         for block in re.findall(r"```python\n(.*?)```", source.read_text(), flags=re.S):

@@ -16,8 +16,8 @@ BLOCK = re.compile(r"```python\n(# readme-example: (?P<name>[\w-]+)\n.*?)```", r
 
 
 def _examples() -> dict[str, str]:
-    """Blocks marked `# readme-example: NAME`, from README.md if it has them, else docs/readme/tf.md."""
-    for source in (ROOT / "README.md", ROOT / "docs" / "readme" / "tf.md"):
+    """Blocks marked `# readme-example: NAME`, from README.md."""
+    for source in (ROOT / "README.md",):
         if source.exists():
             found = {m["name"]: m.group(1) for m in BLOCK.finditer(source.read_text())}
             if all(name in found for name in NAMES):

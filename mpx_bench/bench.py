@@ -1,0 +1,237 @@
+"""``mpx bench``: run each backend's worker in its own process, collect, compare, write the reports.
+
+The documented output is ``DIR/bench.json`` (format ``"mpx.bench/1"``):
+
+* ``format``, ``mpx_version``, ``created`` (UTC, ISO 8601), ``command``, ``seconds`` (wall time of the run);
+* ``machine``: ``platform``, ``machine``, ``python``, ``cpu_model``, ``cpu_count``, ``cpu_flags``, ``memory_bytes``;
+* ``settings``: ``model``, ``size``, ``policies``, ``steps``, ``warmup``, ``budget_s``, ``device``;
+* ``units``: the unit of every suffix (``_ms`` milliseconds, ``_s`` seconds, ``_bytes`` bytes; ratios are unitless);
+* ``backends``: name -> ``status`` (``ok`` | ``not installed`` | ``failed``), ``framework``, ``versions``,
+  ``device``, ``device_name``, ``seconds``, ``error``;
+* ``configs``: one per backend and configuration: ``backend``, ``id`` (``fp32``, ``POLICY/MODE``),
+  ``policy``, ``mode`` (``fp32`` | ``native`` | ``native-noscale`` | ``mpx`` | ``mpx-noscale``),
+  ``status`` (``ok`` | ``skipped``), ``note``, ``step_ms`` (``median``, ``min``, ``max``, ``n``),
+  ``times_ms`` (every timed step, in round order), ``first_call_ms`` (the first step: tracing and
+  compilation included), ``warmup_ms``, ``compile_ms`` (first call minus the median step),
+  ``activation_bytes``, ``xla_temp_bytes``, ``traces_per_step``, ``host_transfers_per_step``,
+  ``host_syncs_per_step`` (None where not measured), and the worker's notes;
+* ``comparisons``: ``backend``, ``policy``, ``kind`` (``time`` | ``activations``), ``name``
+  (``native/fp32``, ``mpx/fp32``, ``mpx/native``, ``scaling/mpx``, ``scaling/native``,
+  ``mpx-noscale/native-noscale``, ``activations/mpx``...), ``numerator``, ``denominator`` (config ids),
+  ``median``, ``min``, ``max`` (of the per-round ratios), ``pairs``, ``target``, ``meets_target``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import mpx
+from mpx_bench import stats
+from mpx_bench.machine import machine_info
+
+__all__ = ["BACKENDS", "FORMAT", "UNITS", "run", "run_worker"]
+
+FORMAT = "mpx.bench/1"
+BACKENDS = {"torch": "torch", "tf": "tensorflow", "jax": "jax"}
+ROOT = Path(__file__).resolve().parents[1]
+UNITS = {
+    "_ms": "milliseconds",
+    "_s": "seconds",
+    "_bytes": "bytes",
+    "ratio": "unitless (numerator / denominator)",
+}
+
+
+def worker_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    env.setdefault("KERAS_BACKEND", "tensorflow")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+class Progress:
+    """One status line on a terminal (rewritten in place), sparse lines otherwise; nothing when quiet."""
+
+    def __init__(self, quiet: bool) -> None:
+        self.quiet = quiet
+        self.tty = sys.stderr.isatty()
+        self.last = 0.0
+
+    def show(self, text: str, force: bool = False) -> None:
+        if self.quiet:
+            return
+        now = time.monotonic()
+        if self.tty:
+            sys.stderr.write("\r" + text[:100].ljust(100))
+        elif force or now - self.last > 5:
+            sys.stderr.write(text + "\n")
+            self.last = now
+        sys.stderr.flush()
+
+    def note(self, text: str) -> None:
+        if not self.quiet:
+            sys.stderr.write(("\r" + " " * 100 + "\r" if self.tty else "") + text + "\n")
+            sys.stderr.flush()
+
+
+def run_worker(backend: str, argv: list[str], progress: Progress | None = None, timeout_s: float | None = None
+               ) -> tuple[list[dict[str, Any]], int, str]:  # fmt: skip
+    """Run ``python -m mpx_bench.worker BACKEND ARGV``; returns its JSON lines, exit status and stderr tail."""
+    cmd = [sys.executable, "-m", "mpx_bench.worker", backend, *argv]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    lines: list[dict[str, Any]] = []
+    start = time.monotonic()
+    killed = False
+    import threading
+
+    err_lines: list[str] = []
+    reader = threading.Thread(target=lambda: err_lines.extend(proc.stderr or []), daemon=True)
+    reader.start()
+    timer = None
+    if timeout_s:
+
+        def kill() -> None:
+            nonlocal killed
+            killed = True
+            proc.kill()
+
+        timer = threading.Timer(timeout_s, kill)
+        timer.start()
+    assert proc.stdout is not None
+    for raw in proc.stdout:
+        try:
+            row = json.loads(raw)
+        except json.JSONDecodeError:
+            continue
+        lines.append(row)
+        if progress is not None and row.get("type") == "progress":
+            phase = row.get("phase")
+            what = f"round {row['round']}/{row['rounds']}" if phase == "timed" else row.get("config", "")
+            progress.show(f"[{backend} {time.monotonic() - start:5.0f}s] {phase} {what}")
+            if phase == "skip":
+                progress.note(f"{backend}: {row.get('config')}: {row.get('note')}")
+    code = proc.wait()
+    if timer is not None:
+        timer.cancel()
+    reader.join(timeout=5)
+    tail = "".join(err_lines[-20:]).strip()
+    if killed:
+        tail = f"killed after the {timeout_s:g} s per-backend timeout (--timeout)\n" + tail
+    return lines, code, tail
+
+
+def _config_row(backend: str, rec: dict[str, Any]) -> dict[str, Any]:
+    step = stats.summary(rec.get("times_s") or [])
+    first = rec.get("first_call_s")
+    row = {
+        "backend": backend,
+        "id": rec["id"],
+        "policy": rec["policy"],
+        "mode": rec["mode"],
+        "status": "skipped" if rec.get("skipped") or not step else "ok",
+        "note": rec.get("skipped") or rec.get("note"),
+        "step_ms": step,
+        "times_ms": [t * 1e3 for t in rec.get("times_s") or []],
+        "first_call_ms": None if first is None else first * 1e3,
+        "warmup_ms": [t * 1e3 for t in rec.get("warmup_s") or []],
+        "compile_ms": None if first is None or not step else max(0.0, first * 1e3 - step["median"]),
+        "build_ms": None if rec.get("build_s") is None else rec["build_s"] * 1e3,
+    }
+    for key in ("activation_bytes", "saved_weight_copy_bytes", "xla_temp_bytes", "xla_argument_bytes",
+                "traces_total", "traces_per_step", "host_transfers_per_step", "host_syncs_per_step"):  # fmt: skip
+        row[key] = rec.get(key)
+    for key in ("activation_note", "traces_note", "host_transfers_note", "measure_error"):
+        if rec.get(key):
+            row[key] = rec[key]
+    return row
+
+
+def run(
+    backends: list[str],
+    *,
+    model: str = "mlp",
+    size: str = "default",
+    policies: list[str] | None = None,
+    steps: int = 20,
+    warmup: int = 3,
+    budget_s: float = 10.0,
+    device: str = "cpu",
+    skip_slower_than: float = 20.0,
+    timeout_s: float | None = 1800.0,
+    quiet: bool = False,
+    command: list[str] | None = None,
+) -> dict[str, Any]:
+    """Run the benchmark on ``backends`` and return the ``bench.json`` dict (see the module docs)."""
+    policies = [
+        str(mpx.get_policy(p).name or mpx.get_policy(p))
+        for p in (policies or ["mixed_bfloat16", "mixed_float16"])
+    ]
+    progress = Progress(quiet)
+    started = time.monotonic()
+    data: dict[str, Any] = {
+        "format": FORMAT,
+        "mpx_version": mpx.__version__,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": command,
+        "machine": machine_info(),
+        "settings": {
+            "model": model,
+            "size": size,
+            "policies": policies,
+            "steps": steps,
+            "warmup": warmup,
+            "budget_s": budget_s,
+            "device": device,
+            "skip_slower_than": skip_slower_than,
+        },
+        "units": UNITS,
+        "backends": {},
+        "configs": [],
+        "comparisons": [],
+    }
+    argv = ["--model", model, "--size", size, "--steps", str(steps), "--warmup", str(warmup),
+            "--budget", str(budget_s), "--device", device, "--skip-slower-than", str(skip_slower_than)]  # fmt: skip
+    for p in policies:
+        argv += ["--policy", p]
+    for backend in backends:
+        meta: dict[str, Any] = {"status": "ok", "framework": backend, "versions": None, "device": None,
+                                "device_name": None, "seconds": None, "error": None}  # fmt: skip
+        data["backends"][backend] = meta
+        if importlib.util.find_spec(BACKENDS[backend]) is None:
+            meta.update(status="not installed", error=f"{BACKENDS[backend]} is not installed")
+            progress.note(f"{backend}: skipped ({BACKENDS[backend]} is not installed)")
+            continue
+        t0 = time.monotonic()
+        lines, code, tail = run_worker(backend, argv, progress, timeout_s)
+        meta["seconds"] = round(time.monotonic() - t0, 1)
+        records = []
+        for row in lines:
+            kind = row.pop("type", None)
+            if kind == "info":
+                row.pop("backend", None)
+                meta.update(row)
+            elif kind == "config":
+                records.append(row)
+            elif kind == "probe":
+                meta.setdefault("probe", row.get("results"))
+        if code != 0:
+            meta.update(status="failed", error=(tail.splitlines() or [f"exit {code}"])[-1][:500], exit=code)
+        data["configs"] += [_config_row(backend, r) for r in records]
+        data["comparisons"] += stats.comparisons(backend, model, records)
+        progress.note(
+            f"{backend}: {len(records)} configurations in {meta['seconds']} s"
+            + (f" (failed: {meta['error']})" if meta["status"] == "failed" else "")
+        )
+    data["seconds"] = round(time.monotonic() - started, 1)
+    return data

@@ -1,0 +1,256 @@
+"""The PyTorch bench worker: torch.autocast + torch.amp.GradScaler natively, mpx_torch under mpx."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import platform
+import warnings
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mpx
+import mpx_torch
+from mpx_bench import models
+from mpx_bench.harness import Config
+from mpx_bench.workers.common import plan, timed_probe
+
+_DT = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+}
+
+
+def info(device: str) -> dict[str, Any]:
+    dev = torch.device(device)
+    name = (
+        torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or platform.machine()
+    )
+    out = {"framework": "torch", "versions": {"torch": torch.__version__}, "device": str(dev), "device_name": name,
+           "threads": torch.get_num_threads()}  # fmt: skip
+    if torch.cuda.is_available():
+        out["gpus"] = [f"{torch.cuda.get_device_name(i)} (compute capability "
+                       f"{'.'.join(map(str, torch.cuda.get_device_capability(i)))})"
+                       for i in range(torch.cuda.device_count())]  # fmt: skip
+    if dev.type == "cuda":
+        out["compute_capability"] = ".".join(map(str, torch.cuda.get_device_capability(dev)))
+    return out
+
+
+def compute_dtype(policy: str) -> str:
+    return mpx.get_policy(policy).compute_dtype
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def probe(dtypes: list[str], budget_s: float, device: str, n: int | None = None) -> dict[str, Any]:
+    dev = torch.device(device)
+    n = n or (4096 if dev.type == "cuda" else 256)
+    out = {}
+    for name in dtypes:
+        a = torch.randn(n, n, device=dev).to(_DT[name])
+        b = torch.randn(n, n, device=dev).to(_DT[name])
+
+        def run(a: torch.Tensor = a, b: torch.Tensor = b) -> None:
+            F.linear(a, b).sum()  # what nn.Linear runs (torch's CPU mm takes a slower float16 path)
+            _sync(dev)
+
+        out[name] = {"n": n, **timed_probe(run, 2.0 * n**3, budget_s / max(1, len(dtypes)))}
+    return out
+
+
+# -- models ---------------------------------------------------------------------------
+class _Attention(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d, 3 * d)
+        self.out = nn.Linear(d, d)
+        self.softmax = nn.Softmax(dim=-1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).reshape(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        att = self.softmax(q @ k.transpose(-1, -2) * (1.0 / math.sqrt(d // self.heads)))
+        return self.out((att @ v).transpose(1, 2).reshape(b, s, d))
+
+
+class _Block(nn.Module):
+    def __init__(self, d: int, heads: int, ff: int) -> None:
+        super().__init__()
+        self.norm1, self.attn = nn.LayerNorm(d), _Attention(d, heads)
+        self.norm2 = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, ff), nn.GELU(), nn.Linear(ff, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class _Transformer(nn.Module):
+    def __init__(self, d: int, heads: int, ff: int, layers: int) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*[_Block(d, heads, ff) for _ in range(layers)])
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.blocks(x)).mean(dim=1))
+
+
+def build(model: str, size: str, device: torch.device) -> tuple[nn.Module, torch.Tensor, torch.Tensor, Any]:
+    """The float32 network, its input and target on ``device``, and its loss function."""
+    d = models.dims(model, size)
+    x, y = models.data(model, size)
+    torch.manual_seed(0)
+    if model == "mlp":
+        net: nn.Module = nn.Sequential(nn.Linear(d["d"], d["h"]), nn.GELU(), nn.Linear(d["h"], d["d"]))
+        loss = F.mse_loss
+    elif model == "transformer":
+        net = _Transformer(d["d"], d["heads"], d["ff"], d["layers"])
+        loss = F.mse_loss
+    else:
+        c1, c2, c3 = d["channels"]
+        net = nn.Sequential(
+            nn.Conv2d(d["cin"], c1, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(c1, c2, 3, stride=2, padding=1), nn.ReLU(),
+            nn.Conv2d(c2, c3, 3, stride=2, padding=1), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c3, d["classes"]),
+        )  # fmt: skip
+        x = x.transpose(0, 3, 1, 2).copy()  # NCHW
+        loss = F.cross_entropy
+    return net.to(device), torch.tensor(x, device=device), torch.tensor(y, device=device), loss
+
+
+# -- measurement ------------------------------------------------------------------------
+_VIEWS = {"ToCopyBackward0", "TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0",
+          "ReshapeAliasBackward0", "ExpandBackward0", "UnsqueezeBackward0", "UnsafeViewBackward0"}  # fmt: skip
+
+
+def _from_parameter(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a parameter or a cast/view of one (autocast's weight copies)."""
+    if t.is_leaf:
+        return t.requires_grad
+    fn = t.grad_fn
+    while fn is not None and type(fn).__name__ in _VIEWS:
+        nxt = [f for f, _ in fn.next_functions if f is not None]
+        if len(nxt) != 1:
+            return False
+        fn = nxt[0]
+    return fn is not None and type(fn).__name__ == "AccumulateGrad"
+
+
+class Runner:
+    def __init__(self, net: nn.Module, x: torch.Tensor, y: torch.Tensor, loss: Any, ctx: Any, scaler: Any,
+                 device: torch.device) -> None:  # fmt: skip
+        self.net, self.x, self.y, self.loss, self.ctx, self.scaler, self.device = (
+            net,
+            x,
+            y,
+            loss,
+            ctx,
+            scaler,
+            device,
+        )
+        fused = device.type == "cuda"
+        self.opt = torch.optim.AdamW(net.parameters(), lr=1e-4, **({"fused": True} if fused else {}))
+
+    def forward_loss(self) -> torch.Tensor:
+        with self.ctx():
+            out = self.net(self.x)
+            return self.loss(out.float(), self.y)
+
+    def step(self) -> None:
+        self.opt.zero_grad(set_to_none=True)
+        loss = self.forward_loss()
+        if self.scaler is not None:
+            self.scaler.scale(loss).backward()
+            self.scaler.step(self.opt)
+            self.scaler.update()
+        else:
+            loss.backward()
+            self.opt.step()
+        _sync(self.device)
+
+    def measure(self) -> dict[str, Any]:
+        saved: dict[tuple[int, int], int] = {}
+        weights: dict[tuple[int, int], int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storage = t.untyped_storage()
+            key = (storage.data_ptr(), storage.nbytes())
+            (weights if _from_parameter(t) else saved)[key] = storage.nbytes()
+            return t
+
+        self.opt.zero_grad(set_to_none=True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = self.forward_loss()
+        loss.backward()
+        self.opt.zero_grad(set_to_none=True)
+        out: dict[str, Any] = {
+            "activation_bytes": sum(saved.values()),
+            "saved_weight_copy_bytes": sum(v for k, v in weights.items() if k[0] not in self._param_ptrs()),
+            "traces_per_step": 0,
+            "traces_note": "eager: nothing is traced or compiled",
+        }
+        if self.device.type == "cuda":
+            out["host_syncs_per_step"] = self._count_syncs()
+        return out
+
+    def _param_ptrs(self) -> set[int]:
+        return {p.untyped_storage().data_ptr() for p in self.net.parameters()}
+
+    def _count_syncs(self) -> int:
+        previous = torch.cuda.get_sync_debug_mode()
+        try:
+            torch.cuda.set_sync_debug_mode("warn")
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                self.step()
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+        return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def configs(model: str, size: str, policies: list[str], device: str, slow: dict[str, str]) -> list[Config]:
+    dev = torch.device(device)
+    base = build(model, size, dev)
+
+    def make(mode: str, policy: mpx.Policy | None) -> Any:
+        def build_runner() -> Runner:
+            net, x, y, loss = copy.deepcopy(base[0]), base[1], base[2], base[3]
+            if mode == "fp32" or policy is None:
+                return Runner(net, x, y, loss, contextlib.nullcontext, None, dev)
+            if mode.startswith("native"):
+                param, compute = _DT[policy.param_dtype], _DT[policy.compute_dtype]
+                net = net.to(param)
+                xin = x.to(param)
+                ctx = (
+                    (lambda: torch.autocast(dev.type, dtype=compute))
+                    if compute != param
+                    else contextlib.nullcontext
+                )
+                scaler = None
+                if policy.compute_dtype == "float16" and mode == "native":
+                    scaler = torch.amp.GradScaler(dev.type)
+                return Runner(net, xin, y, loss, ctx, scaler, dev)
+            net = mpx_torch.prepare(net, policy, device_type=dev.type)
+            xin = x.to(_DT[policy.param_dtype])
+            config = mpx.ScalerConfig.for_policy(policy)
+            scaler = None
+            if mode == "mpx" and config.kind != "none":
+                scaler = mpx_torch.GradScaler(config, device=dev.type)
+            return Runner(net, xin, y, loss, contextlib.nullcontext, scaler, dev)
+
+        return build_runner
+
+    return plan(policies, slow, make)

@@ -1,0 +1,175 @@
+"""``mpx bench`` and ``mpx doctor``: the harness runs a tiny model per backend and writes the documented files.
+
+Every framework runs in a subprocess; this process imports none.  No test asserts a step time.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import mpx
+
+ROOT = Path(__file__).resolve().parents[2]
+FRAMEWORKS = {"torch": "torch", "tf": "tensorflow", "jax": "jax"}
+INSTALLED = [b for b, m in FRAMEWORKS.items() if importlib.util.find_spec(m) is not None]
+MODES_F16 = {"native", "mpx", "native-noscale", "mpx-noscale"}
+
+
+def _run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mpx_bench", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    proc = _run("bench", "--size", "tiny", "--steps", "2", "--warmup", "1", "--out", str(out), "--quiet")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return out, json.loads((out / "bench.json").read_text()), proc.stdout
+
+
+def _is_num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def test_bench_json_schema(bench):
+    _, data, _ = bench
+    assert data["format"] == "mpx.bench/1"
+    assert data["mpx_version"] == mpx.__version__
+    for key in (
+        "created",
+        "command",
+        "seconds",
+        "machine",
+        "settings",
+        "units",
+        "backends",
+        "configs",
+        "comparisons",
+    ):
+        assert key in data
+    assert {"cpu_model", "cpu_count", "cpu_flags", "platform", "python"} <= set(data["machine"])
+    assert data["settings"] == {**data["settings"], "model": "mlp", "size": "tiny", "steps": 2, "warmup": 1,
+                                "policies": ["mixed_bfloat16", "mixed_float16"]}  # fmt: skip
+    assert data["units"]["_ms"] == "milliseconds" and data["units"]["_bytes"] == "bytes"
+    assert set(data["backends"]) == set(FRAMEWORKS)
+    for name, meta in data["backends"].items():
+        assert meta["status"] == ("ok" if name in INSTALLED else "not installed"), meta
+        if name in INSTALLED:
+            assert meta["framework"] == name and meta["versions"] and meta["device"]
+
+
+@pytest.mark.parametrize("backend", INSTALLED)
+def test_bench_configs_per_backend(bench, backend):
+    _, data, _ = bench
+    rows = {c["id"]: c for c in data["configs"] if c["backend"] == backend}
+    assert set(rows) == {"fp32"} | {f"mixed_bfloat16/{m}" for m in ("native", "mpx")} | {
+        f"mixed_float16/{m}" for m in MODES_F16
+    }
+    for cid, c in rows.items():
+        assert c["status"] == "ok", (cid, c["note"])
+        assert c["mode"] == ("fp32" if cid == "fp32" else cid.split("/")[1])
+        assert set(c["step_ms"]) == {"median", "min", "max", "n"} and c["step_ms"]["n"] == 2
+        assert len(c["times_ms"]) == 2 and all(_is_num(t) and t > 0 for t in c["times_ms"])
+        assert c["step_ms"]["min"] <= c["step_ms"]["median"] <= c["step_ms"]["max"]
+        assert _is_num(c["first_call_ms"]) and _is_num(c["compile_ms"])
+        assert c["traces_per_step"] == 0, c  # no retrace (or, eager, nothing traced) in the timed steps
+        if backend in ("torch", "jax"):
+            assert isinstance(c["activation_bytes"], int) and c["activation_bytes"] > 0
+        if backend == "jax":
+            assert c["host_transfers_per_step"] == 0, c.get("host_transfers_note")
+            assert isinstance(c["xla_temp_bytes"], int)
+
+
+@pytest.mark.parametrize("backend", INSTALLED)
+def test_bench_comparisons(bench, backend):
+    _, data, _ = bench
+    rows = [c for c in data["comparisons"] if c["backend"] == backend]
+    names = {(c["policy"], c["name"]) for c in rows}
+    for policy in ("mixed_bfloat16", "mixed_float16"):
+        assert {(policy, "native/fp32"), (policy, "mpx/fp32"), (policy, "mpx/native")} <= names
+    assert {("mixed_float16", "scaling/mpx"), ("mixed_float16", "scaling/native")} <= names
+    for c in rows:
+        assert c["min"] <= c["median"] <= c["max"]
+        assert c["meets_target"] is None if c["target"] is None else isinstance(c["meets_target"], bool)
+        if c["kind"] == "time":
+            assert c["pairs"] == 2
+    targets = {c["name"]: c["target"] for c in rows if c["target"] is not None}
+    assert targets["mpx/native"] == 1.02 and targets["scaling/mpx"] == 1.05
+
+
+def test_bench_markdown_chart_and_table(bench):
+    out, data, stdout = bench
+    md = (out / "bench.md").read_text()
+    assert md.startswith("# mpx bench") and "| backend | configuration |" in md and "bench.png" in md
+    assert data["machine"]["cpu_model"] in md
+    assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "mixed_float16/mpx-noscale" in stdout and "scaling/mpx" in stdout
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [(["--backend", "mxnet"], "unknown backend 'mxnet'"), (["--model", "resnet"], "unknown model 'resnet'"),
+     (["--steps", "1"], "--steps: must be at least 2"), (["--steps", "ten"], "--steps: expected an integer"),
+     (["--policy", "float17"], "float17"), (["--budget", "-1"], "--budget"), (["--device", "tpu"], "--device"),
+     (["--size", "huge"], "unknown size"), (["--bogus"], "unrecognized arguments")],
+)  # fmt: skip
+def test_bench_bad_arguments_exit_2(args, needle, tmp_path):
+    proc = _run("bench", *args, "--out", str(tmp_path / "o"), timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], proc.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_mpx_cli_wiring_exits_2_in_process(capsys):
+    from mpx.cli import main
+
+    assert main(["bench", "--backend", "nope"]) == 2
+    assert main(["doctor", "--probe-seconds", "x"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "unknown backend 'nope'" in err[0] and "--probe-seconds" in err[1]
+    assert not {"torch", "tensorflow", "jax"} & set(sys.modules)  # the runner never imports a framework
+
+
+def test_doctor_runs_and_probes_within_budget():
+    budget = 1.0
+    proc = _run("doctor", "--json", "--probe-seconds", str(budget), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads(proc.stdout)
+    assert data["machine"]["cpu_count"] >= 1 and set(data["precision_support"]) == {"bfloat16", "float16"}
+    for name in INSTALLED:
+        b = data["backends"][name]
+        assert b["installed"] and b["versions"] and b["device"] and "error" not in b, b
+        assert set(b["probe"]) == {"float32", "bfloat16", "float16"}
+        for r in b["probe"].values():
+            assert r["seconds"] > 0 and r["gflops"] > 0 and r["calls"] >= 1
+        # the probe stops itself before its budget runs out (one call of slack, compilation included)
+        assert b["probe_seconds"] <= budget * 1.5, b["probe_seconds"]
+        policy = b["recommendation"]["policy"]
+        assert mpx.get_policy(policy) and b["recommendation"]["why"]
+        for flag in b["slow"]:
+            assert flag["dtype"] in ("bfloat16", "float16") and flag["source"] in ("probe", "mpx.advice")
+    for name in set(FRAMEWORKS) - set(INSTALLED):
+        assert not data["backends"][name]["installed"]
+
+
+def test_doctor_text():
+    proc = _run(
+        "doctor", "--backend", INSTALLED[0] if INSTALLED else "torch", "--probe-seconds", "0.3", timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "recommended policy" in proc.stdout or "not installed" in proc.stdout
+    assert "MPX_NO_SLOW_WARNING" in proc.stdout
+
+
+def test_doctor_bad_backend_exits_2():
+    proc = _run("doctor", "--backend", "mxnet", timeout=60)
+    assert proc.returncode == 2 and "unknown backend 'mxnet'" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
