@@ -92,6 +92,11 @@ def keras_dtype_policy(policy: mpx.PolicySpec) -> keras.DTypePolicy:
     return keras.DTypePolicy(f"{NAME_PREFIX}params={params},compute={compute}")
 
 
+def _device() -> str:
+    """Where Keras computes: ``"gpu"`` when TensorFlow sees a GPU, else ``"cpu"``."""
+    return "gpu" if tf.config.list_logical_devices("GPU") else "cpu"
+
+
 # -- the global policy ------------------------------------------------------------
 # Keras keeps its global dtype policy per thread; mpx's policy (which says more:
 # overrides, output dtype) rides along, remembered with the Keras object it set.
@@ -111,6 +116,7 @@ def set_global_policy(policy: mpx.PolicySpec) -> mpx.Policy:
     """
     p = mpx.get_policy(policy)
     kp = keras_dtype_policy(p)
+    mpx.warn_if_slow("tf", p, _device(), stacklevel=3)
     keras.config.set_dtype_policy(kp)
     _local.current = (p, keras.config.dtype_policy())
     return p
@@ -286,6 +292,7 @@ def apply_policy(model: keras.layers.Layer, policy: mpx.PolicySpec | None = None
     if not isinstance(model, keras.layers.Layer):
         raise MPXError(f"model: expected a Keras model or layer, got {type(model).__name__}")
     p = get_global_policy() if policy is None else mpx.get_policy(policy)
+    mpx.warn_if_slow("tf", p, _device(), stacklevel=3)
     for path, layer in _walk(model):
         if layer is not model:
             _remove_output_cast(layer)

@@ -40,6 +40,7 @@ from mpx import (
     PolicySpec,
     canonical_dtype,
     get_policy,
+    warn_if_slow,
     widest_dtype,
 )
 from mpx_torch._ops import FUNCTIONS, PROMOTE_EXCEPT_HALF_MIX, RUNNING_STATS
@@ -395,6 +396,9 @@ class autocast(contextlib.ContextDecorator):
     ) -> None:
         self.policy = get_policy(policy)
         self.device_types = _device_types(device_type)
+        named = self.device_types if device_type is not None else (torch.get_default_device().type,)
+        for device in named:
+            warn_if_slow("torch", self.policy, device, stacklevel=3)
         if op_table is None:
             op_table = OP_TABLE
         if not isinstance(op_table, OpTable):

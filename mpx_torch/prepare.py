@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mpx import OpTable, Policy, PolicyError, PolicySpec, get_policy, widest_dtype
+from mpx import OpTable, Policy, PolicyError, PolicySpec, get_policy, warn_if_slow, widest_dtype
 from mpx_torch.autocast import _HALF, autocast, to_torch_dtype
 
 __all__ = ["module_category", "prepare"]
@@ -156,6 +156,10 @@ def prepare(
     if not isinstance(module, nn.Module):
         raise PolicyError(f"module: expected a torch.nn.Module, got {type(module).__name__}")
     root = get_policy(policy)
+    first = next(iter(module.parameters()), None)
+    warn_if_slow(
+        "torch", root, first.device if first is not None else torch.get_default_device(), stacklevel=3
+    )
     # each module's policy, and which ones start a region of their own
     entries: list[tuple[nn.Module, Policy, bool]] = []
     seen: dict[int, Policy] = {}

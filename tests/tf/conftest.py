@@ -4,6 +4,8 @@ import os
 
 os.environ["KERAS_BACKEND"] = "tensorflow"
 os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+# The slow-policy warning (float16 on CPU) is tested on its own in test_slow_warning.py.
+os.environ.setdefault("MPX_NO_SLOW_WARNING", "1")
 
 import pytest
 

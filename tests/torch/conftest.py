@@ -1,4 +1,9 @@
+import os
+
 import pytest
+
+# The slow-policy warning (torch float16 on CPU) is tested on its own in test_slow_warning.py.
+os.environ.setdefault("MPX_NO_SLOW_WARNING", "1")
 
 torch = pytest.importorskip("torch")
 
