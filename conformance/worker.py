@@ -57,7 +57,7 @@ def run_case(adapter: Any, case: C.Case, mode: str, states: Path | None) -> dict
             params["state_dict"] = json.loads(path.read_text())
     start = time.perf_counter()
     try:
-        observed = adapter.run(case["kind"], params, mode)
+        observed = getattr(adapter, f"run_{case['kind']}")(params, mode)
     except Skip as why:
         return {"status": "skip", "observed": None, "detail": str(why)}
     except Exception as err:  # a crash is a finding natively and a failure under mpx

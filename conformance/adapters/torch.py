@@ -251,13 +251,3 @@ def run_portability(p: dict, mode: str) -> dict:
     scaler.load_state_dict(p["state_dict"])
     scales, _ = _train_flags(scaler, p["flags"])
     return {"scales": scales}
-
-
-KINDS = {
-    "policy": run_policy, "op": run_op, "scaler_trace": run_scaler_trace, "skip": run_skip,
-    "numerics": run_numerics, "portability_save": run_portability_save, "portability": run_portability,
-}  # fmt: skip
-
-
-def run(kind: str, params: dict, mode: str) -> Any:
-    return KINDS[kind](params, mode)
