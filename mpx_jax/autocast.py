@@ -512,8 +512,14 @@ def autocast(
     Returns:
         ``fn`` itself when the policy's compute dtype is not float16 or
         bfloat16, else a function with ``fn``'s signature and outputs.
+
+    Warns:
+        mpx.SlowPolicyWarning: once per process, when the compute dtype is
+            measured slow on ``jax.default_backend()`` (float16 and bfloat16 on
+            XLA:CPU; see :mod:`mpx.advice`; ``MPX_NO_SLOW_WARNING=1`` silences it).
     """
     pol = mpx.get_policy(policy)
+    mpx.warn_if_slow("jax", pol, jax.default_backend(), stacklevel=3)
     if not pol.lowers_precision:
         return fn
     table = mpx.OP_TABLE if op_table is None else op_table

@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -64,12 +65,17 @@ def apply_policy(module: nnx.Module, policy: PolicySpec) -> nnx.Module:
     (NNX has no float32-softmax switch); give the attention module's path a
     float32 override to keep them in float32.
 
+    Warns:
+        mpx.SlowPolicyWarning: once per process, when the compute dtype is
+            measured slow on ``jax.default_backend()`` (see :mod:`mpx.advice`).
+
     Raises:
         TypeError: when ``module`` is not an ``nnx.Module``.
     """
     if not isinstance(module, nnx.Module):
         raise TypeError(f"module: expected a flax.nnx.Module, got {type(module).__name__}.")
     pol = mpx.get_policy(policy)
+    mpx.warn_if_slow("jax", pol, jax.default_backend(), stacklevel=3)
     modules: dict[tuple[Any, ...], mpx.Policy] = {}
     params: list[tuple[tuple[Any, ...], nnx.Param]] = []
     for keys, node in nnx.iter_graph(module):
@@ -119,12 +125,17 @@ def policy_apply(module: nn.Module, policy: PolicySpec) -> Callable[..., Any]:
     dtype (float32 masters get float32 gradients).  The output (the first
     element with ``mutable``) is cast to ``output_dtype``.
 
+    Warns:
+        mpx.SlowPolicyWarning: once per process, when the compute dtype is
+            measured slow on ``jax.default_backend()`` (see :mod:`mpx.advice`).
+
     Raises:
         TypeError: when ``module`` is not a linen Module.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module: expected a flax.linen.Module, got {type(module).__name__}.")
     pol = mpx.get_policy(policy)
+    mpx.warn_if_slow("jax", pol, jax.default_backend(), stacklevel=3)
 
     def interceptor(
         next_fun: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], context: Any

@@ -9,9 +9,17 @@ moments and step count stay bit for bit what they were.  The
 :class:`~mpx_jax.LossScale` in the state then takes its step of the mpx state
 machine.
 
-The skip is a ``jax.lax.cond`` on the finite flag, not a select over every
-parameter and moment: the inner update only runs on finite steps, so loss
-scaling adds the unscale and the finiteness check to a step and nothing else.
+The skip is a select, not a ``jax.lax.cond``: the inner update always runs
+on the unscaled gradients, then every update leaf is ``where(finite, u, -0.0)``
+and the inner state ``select_tree(finite, new, old)``.  XLA fuses the selects
+into the optimizer's own elementwise pass, where a ``cond`` splits the step in
+two and costs a whole extra pass over the parameters (on XLA:CPU a ``cond`` made
+the loss-scaled float16 MLP step 39% slower than the unscaled one, the select
+about 4%).  The skipped update is ``-0.0``, not ``+0.0``: ``p + (-0.0)`` is
+``p`` bit for bit for every ``p``, while ``-0.0 + 0.0`` is ``+0.0``.  On a
+non-finite step the inner update does see the infs and NaNs (its NaN updates
+and moments are what the select throws away), so ``jax_debug_nans`` reports
+them.
 
 Rules for composing it:
 
@@ -46,7 +54,8 @@ import jax.numpy as jnp
 import optax
 
 from mpx.scaling import ScalerConfig
-from mpx_jax.loss_scale import LossScale, all_finite
+from mpx_jax.casting import is_floating_array
+from mpx_jax.loss_scale import LossScale, all_finite, select_tree
 
 __all__ = ["LossScalingState", "get_loss_scale", "with_loss_scaling"]
 
@@ -56,6 +65,13 @@ class LossScalingState(NamedTuple):
 
     inner_state: Any
     loss_scale: LossScale
+
+
+def _skip_where(finite: jax.Array, u: Any) -> Any:
+    """``u`` on a finite step, else a zero that adds to any parameter without changing a bit."""
+    if not is_floating_array(u):
+        return jnp.where(finite, u, jnp.zeros_like(u))
+    return jnp.where(finite, u, jnp.asarray(-0.0, u.dtype))
 
 
 def with_loss_scaling(
@@ -95,29 +111,20 @@ def with_loss_scaling(
                 f"state: expected the LossScalingState made by this transformation's init, got {type(state).__name__}."
             )
         loss_scale = state.loss_scale
-        # the unscaled gradients are checked here and recomputed inside the update, so that XLA
-        # fuses the unscaling into the check's reduction and into the optimizer's own elementwise
-        # update instead of writing a second copy of every gradient
+        # XLA fuses the unscaling into the check's reduction and into the optimizer's elementwise update
         finite = all_finite(loss_scale.unscale(updates))
         if axis_name is not None:
             bad = jax.lax.psum(jnp.logical_not(finite).astype(jnp.int32), axis_name)
             finite = bad == 0
 
-        def step(operands: Any) -> Any:
-            g, s = operands
-            return inner.update(loss_scale.unscale(g), s, params, **extra_args)
-
+        new_updates, new_inner = inner.update(
+            loss_scale.unscale(updates), state.inner_state, params, **extra_args
+        )
         if cfg.skip_nonfinite:
-            shapes = jax.eval_shape(step, (updates, state.inner_state))
-
-            def skip(operands: Any) -> Any:
-                _, s = operands
-                zeros = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), shapes[0])
-                return zeros, s
-
-            new_updates, new_inner = jax.lax.cond(finite, step, skip, (updates, state.inner_state))
-        else:
-            new_updates, new_inner = step((updates, state.inner_state))
+            # a select, not a cond (see the module docs): -0.0 leaves every parameter bit-identical,
+            # and the NaN updates and moments of a non-finite step are never read
+            new_updates = jax.tree_util.tree_map(lambda u: _skip_where(finite, u), new_updates)
+            new_inner = select_tree(finite, new_inner, state.inner_state)
         return new_updates, LossScalingState(inner_state=new_inner, loss_scale=loss_scale.update(finite))
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -79,6 +79,41 @@ def test_skipped_step_leaves_params_and_moments_bit_identical(poison):
     assert int(state3.inner_state[0].count) == 2
 
 
+@pytest.mark.parametrize("inner", ["adamw", "multisteps"])
+def test_skipped_step_keeps_a_negative_zero_parameter_bit_identical(inner):
+    # the skipped update is -0.0: p + (-0.0) is p for every p, where +0.0 would turn -0.0 into +0.0
+    base = optax.adamw(1e-2) if inner == "adamw" else optax.MultiSteps(optax.adam(1e-2), 2)
+    tx = with_loss_scaling(base)
+    params = {**init_params(), "b": jnp.array([-0.0, 0.0, -1.5], jnp.float32)}
+    params["w"] = params["w"].at[0, 0].set(-0.0)
+    state = tx.init(params)
+    step = make_step(tx)
+    for poison in (float("inf"), float("nan")):
+        new_params, new_state = step(params, state, poison)
+        assert bits_equal(new_params, params)
+        assert np.signbit(np.asarray(new_params["b"][0])) and np.signbit(np.asarray(new_params["w"][0, 0]))
+        assert bits_equal(new_state.inner_state, state.inner_state)
+
+
+def test_nothing_leaks_from_a_skipped_step():
+    # the inner update runs on the infs/NaNs of a skipped step; its NaN updates and moments must not
+    # reach later steps: with a static scale the run with poisoned steps equals the run without, bit for bit
+    tx = with_loss_scaling(
+        optax.chain(optax.clip_by_global_norm(0.1), optax.adamw(1e-2)),
+        mpx.ScalerConfig(kind="static", init_scale=2.0**8),
+    )
+    step = make_step(tx)
+    p_a, s_a = init_params(), tx.init(init_params())
+    for poison in (1.0, float("inf"), 1.0, float("nan"), float("-inf"), 1.0):
+        p_a, s_a = step(p_a, s_a, jnp.float32(poison))
+        assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree_util.tree_leaves((p_a, s_a.inner_state)))
+    p_b, s_b = init_params(), tx.init(init_params())
+    for _ in range(3):
+        p_b, s_b = step(p_b, s_b, jnp.float32(1.0))
+    assert bits_equal(p_a, p_b) and bits_equal(s_a.inner_state, s_b.inner_state)
+    assert int(get_loss_scale(s_a).skipped_steps) == 3
+
+
 def test_float16_overflow_is_skipped_and_scale_backs_off_until_finite():
     # a float16 model: 2**24 makes its backward pass overflow; the scaler finds a working scale
     tx = with_loss_scaling(optax.sgd(0.1), mpx.ScalerConfig(init_scale=2.0**24))
@@ -107,7 +142,7 @@ def test_finite_steps_equal_unscaled_training():
         u, s_ref = base.update(g, s_ref, p_ref)
         p_ref = optax.apply_updates(p_ref, u)
         p, s = step(p, s, 1.0)
-    # power-of-two scales: scaling is exact; only XLA's fusion inside the cond may reorder sums
+    # power-of-two scales: scaling is exact; only XLA's fusion may reorder sums
     close(p, p_ref)
     assert float(get_loss_scale(s).loss_scale) == 2.0**14
 
