@@ -59,3 +59,15 @@ def test_bad_usage_exits_2_with_one_line(args, message):
     assert out.stdout == ""
     assert len(out.stderr.strip().splitlines()) == 1 and message in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_conformance_unknown_backend_exits_2_naming_the_known_ones():
+    out = run("conformance", "--backend", "mxnet")
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.strip() == "mpx conformance: unknown backend 'mxnet'; available: torch, tf, jax"
+
+
+def test_help_lists_every_command():
+    out = run("--help")
+    for command in ("policy", "conformance", "bench", "doctor"):
+        assert command in out.stdout
