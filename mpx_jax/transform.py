@@ -14,8 +14,9 @@ on the unscaled gradients, then every update leaf is ``where(finite, u, -0.0)``
 and the inner state ``select_tree(finite, new, old)``.  XLA fuses the selects
 into the optimizer's own elementwise pass, where a ``cond`` splits the step in
 two and costs a whole extra pass over the parameters (on XLA:CPU a ``cond`` made
-the loss-scaled float16 MLP step 39% slower than the unscaled one, the select
-about 4%).  The skipped update is ``-0.0``, not ``+0.0``: ``p + (-0.0)`` is
+the loss-scaled float16 MLP step 27-39% slower than the unscaled one, the select
+4-8%: the finiteness check reads every gradient once more, and the select makes
+XLA recompute the new moments inside the parameter pass).  The skipped update is ``-0.0``, not ``+0.0``: ``p + (-0.0)`` is
 ``p`` bit for bit for every ``p``, while ``-0.0 + 0.0`` is ``+0.0``.  On a
 non-finite step the inner update does see the infs and NaNs (its NaN updates
 and moments are what the select throws away), so ``jax_debug_nans`` reports
