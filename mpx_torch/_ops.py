@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from mpx import OpClass
 
-__all__ = ["FUNCTIONS", "PROMOTE_EXCEPT_HALF_MIX", "RUNNING_STATS", "SAVE_HALF"]
+__all__ = ["FUNCTIONS", "PROMOTE_EXCEPT_HALF_MIX", "RUNNING_STATS"]
 
 _T = torch.Tensor
 L, P, N = OpClass.LOWER, OpClass.PROMOTE, OpClass.PASSTHROUGH
@@ -112,10 +112,3 @@ RUNNING_STATS: dict[Callable, tuple[tuple[int, str], ...]] = {
     F.batch_norm: ((1, "running_mean"), (2, "running_var")),
     torch.batch_norm: ((3, "running_mean"), (4, "running_var")),
 }
-
-#: FLOAT32 ops whose backward needs only their inputs (and output) and whose
-#: forward is cheap: their half inputs are saved for backward in half precision
-#: and cast up again there (the forward recomputed), not saved as float32 casts.
-SAVE_HALF: frozenset[str] = frozenset(
-    {"mse_loss", "cross_entropy", "nll_loss", "bce_with_logits", "softmax", "log_softmax", "layer_norm"}
-)

@@ -43,7 +43,7 @@ from mpx import (
     warn_if_slow,
     widest_dtype,
 )
-from mpx_torch._ops import FUNCTIONS, PROMOTE_EXCEPT_HALF_MIX, RUNNING_STATS, SAVE_HALF
+from mpx_torch._ops import FUNCTIONS, PROMOTE_EXCEPT_HALF_MIX, RUNNING_STATS
 
 __all__ = ["autocast", "candidate_device_types", "to_torch_dtype"]
 
@@ -199,85 +199,11 @@ def _call_cast(
     return out
 
 
-def _upcast(t: Any) -> Any:
-    return t.to(torch.float32) if isinstance(t, torch.Tensor) and t.dtype in _HALF else t
-
-
-class _UpcastSaved(torch.autograd.Function):
-    """``func`` on the float32 casts of its half inputs, saving the half inputs for backward.
-
-    ``func(x.float())`` under autograd saves the float32 copy (twice the bytes
-    of ``x``); this saves ``x`` itself and, in backward, casts it up again and
-    recomputes ``func`` to differentiate it.  The cast is exact and the
-    recomputation deterministic, so values and gradients are those of
-    ``func(x.float())``, bit for bit.  Only for ops whose forward is cheap
-    next to the memory it saves (the losses, softmax, log_softmax, layer_norm).
-    """
-
-    @staticmethod
-    def forward(ctx: Any, func: Callable, rebuild: Callable, *tensors: torch.Tensor) -> Any:  # type: ignore[override]
-        ctx.func, ctx.rebuild = func, rebuild
-        ctx.save_for_backward(*tensors)
-        args, kwargs = rebuild([_upcast(t) for t in tensors])
-        return func(*args, **kwargs)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:  # type: ignore[override]
-        saved = ctx.saved_tensors
-        needs = ctx.needs_input_grad[2:]
-        create_graph = torch.is_grad_enabled()  # backward(create_graph=True): keep the saved tensors' history
-        with torch.enable_grad():
-            if create_graph:
-                inputs = list(saved)
-            else:
-                inputs = [t.detach().requires_grad_(n) if n else t for t, n in zip(saved, needs, strict=True)]
-            args, kwargs = ctx.rebuild([_upcast(t) for t in inputs])
-            out = ctx.func(*args, **kwargs)
-            wanted = [t for t, n in zip(inputs, needs, strict=True) if n]
-            grads = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True, create_graph=create_graph))
-        return (None, None, *(next(grads) if n else None for n in needs))
-
-
-def _upcast_saved(func: Callable, args: tuple, kwargs: dict) -> Any:
-    """``func`` through :class:`_UpcastSaved` when autograd would save a float32 copy of a half input, else
-    :data:`NotImplemented`."""
-    if not torch.is_grad_enabled():
-        return NotImplemented
-    flat = (*args, *kwargs.values())
-    slots = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)]
-    if not any(flat[i].requires_grad and flat[i].dtype in _HALF for i in slots):
-        return NotImplemented
-    if any(isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor) for a in flat):
-        return NotImplemented
-    n, keys = len(args), tuple(kwargs)
-
-    def rebuild(tensors: list[torch.Tensor]) -> tuple[list, dict]:
-        values = list(flat)
-        for i, t in zip(slots, tensors, strict=True):
-            values[i] = t
-        return values[:n], dict(zip(keys, values[n:], strict=True))
-
-    return _UpcastSaved.apply(func, rebuild, *(flat[i] for i in slots))
-
-
-def _float32_handler(devices: tuple[str, ...] | None, save_half: bool = False) -> _Handler:
-    """Half-precision inputs cast to float32 (float64 stays); autocast off where torch would lower.
-
-    With ``save_half`` (ops whose backward needs only their inputs and output,
-    :data:`mpx_torch._ops.SAVE_HALF`), autograd saves the half inputs rather
-    than their float32 casts (see :class:`_UpcastSaved`).
-    """
+def _float32_handler(devices: tuple[str, ...] | None) -> _Handler:
+    """Half-precision inputs cast to float32 (float64 stays); autocast off where torch would lower."""
     tensor, half, f32, dtype = torch.Tensor, _HALF, torch.float32, torch.dtype
 
     def handler(func: Callable, args: tuple, kwargs: dict) -> Any:
-        if save_half and not _leave_alone(args, kwargs):
-            if devices:
-                with _no_autocast(devices):
-                    out = _upcast_saved(func, args, kwargs)
-            else:
-                out = _upcast_saved(func, args, kwargs)
-            if out is not NotImplemented:
-                return out
         if devices is None and not kwargs and func not in RUNNING_STATS:
             # the common case (x.sum(), torch.softmax(x, -1)...): positional tensors only
             new = []
@@ -379,7 +305,7 @@ def _lowering_table(policy: Policy, table: OpTable, devices: tuple[str, ...]) ->
             if cls is native:
                 continue
             if cls is OpClass.FLOAT32:
-                handler = _float32_handler(devices if native is OpClass.LOWER else None, op in SAVE_HALF)
+                handler = _float32_handler(devices if native is OpClass.LOWER else None)
             elif cls is OpClass.LOWER:
                 handler = _lower_handler(compute, devices, input_only=func in RUNNING_STATS)
             elif cls is OpClass.PROMOTE:
@@ -395,12 +321,11 @@ def _float32_table(table: OpTable) -> dict[Callable, _Handler]:
     """func -> handler inside a float32 region nested in a lowering one: half inputs computed in float32."""
     _check_table(table)
     handler = _float32_handler(None)  # autocast is off in the whole region
-    saving = _float32_handler(None, save_half=True)
     out: dict[Callable, _Handler] = {}
     for op in table:
         if table[op] in (OpClass.LOWER, OpClass.FLOAT32):
             for func, _ in FUNCTIONS[op]:
-                out[func] = saving if op in SAVE_HALF else handler
+                out[func] = handler
     return out
 
 
