@@ -20,14 +20,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.fixture
-def warnings_on(monkeypatch):
-    monkeypatch.delenv("MPX_NO_SLOW_WARNING", raising=False)
-    mpx.advice.reset_warnings()
-    yield
-    mpx.advice.reset_warnings()
-
-
 def slow(caught):
     return [w for w in caught if issubclass(w.category, mpx.SlowPolicyWarning)]
 

@@ -1,19 +1,10 @@
 import warnings
 
 import keras
-import pytest
 
 import mpx
 import mpx.advice
 import mpx_tf
-
-
-@pytest.fixture
-def warnings_on(monkeypatch):
-    monkeypatch.delenv("MPX_NO_SLOW_WARNING", raising=False)
-    mpx.advice.reset_warnings()
-    yield
-    mpx.advice.reset_warnings()
 
 
 def test_float16_on_cpu_warns_once(warnings_on):

@@ -1,20 +1,11 @@
 import warnings
 
-import pytest
 import torch
 from torch import nn
 
 import mpx
 import mpx.advice
 import mpx_torch
-
-
-@pytest.fixture
-def warnings_on(monkeypatch):
-    monkeypatch.delenv("MPX_NO_SLOW_WARNING", raising=False)
-    mpx.advice.reset_warnings()
-    yield
-    mpx.advice.reset_warnings()
 
 
 def test_float16_on_cpu_warns_once_pointing_at_the_caller(warnings_on):
