@@ -7,9 +7,7 @@ crashed), 2 for bad usage.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import os
 import platform
 import subprocess
 import sys
@@ -19,9 +17,8 @@ from pathlib import Path
 
 from conformance import cases as C
 from conformance import report
-from conformance.worker import BACKENDS, MODES
-
-ROOT = Path(__file__).resolve().parents[1]
+from conformance.worker import MODES
+from mpx._workers import BACKENDS, ROOT, Progress, backend_names, is_installed, worker_env
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,43 +53,12 @@ def _skip_rows(backend: str, why: str, only: str | None) -> list[dict]:
     ]
 
 
-class Progress:
-    def __init__(self, total: int, quiet: bool) -> None:
-        self.total, self.done, self.quiet = total, 0, quiet
-        self.tty = sys.stderr.isatty()
-        self.last = 0.0
-
-    def step(self, backend: str, case: str) -> None:
-        self.done += 1
-        if self.quiet:
-            return
-        now = time.monotonic()
-        if self.tty:
-            sys.stderr.write(f"\r[{self.done:4d}/{self.total}] {backend:<5} {case[:60]:<60}")
-        elif now - self.last > 5 or self.done == self.total:
-            sys.stderr.write(f"[{self.done}/{self.total}] {backend} {case}\n")
-            self.last = now
-        sys.stderr.flush()
-
-    def note(self, text: str) -> None:
-        if not self.quiet:
-            sys.stderr.write(("\r" + " " * 80 + "\r" if self.tty else "") + text + "\n")
-            sys.stderr.flush()
-
-
-def _env() -> dict:
-    env = dict(os.environ)
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    env.setdefault("KERAS_BACKEND", "tensorflow")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    return env
-
-
 def run(backends: list[str], out: Path, only: str | None = None, quiet: bool = False) -> dict:
     """Run the suite and return the report dict (also written to ``out``)."""
-    installed = [b for b in backends if importlib.util.find_spec(BACKENDS[b]) is not None]
+    installed = [b for b in backends if is_installed(b)]
     per_backend = sum(1 for c in C.all_cases() if not only or c["id"].startswith(only)) * len(MODES)
-    progress = Progress(per_backend * len(installed), quiet)
+    total, done = per_backend * len(installed), 0
+    progress = Progress(quiet)
     started = time.monotonic()
     results: list[dict] = []
     meta: dict[str, dict] = {}
@@ -100,7 +66,7 @@ def run(backends: list[str], out: Path, only: str | None = None, quiet: bool = F
         for backend in installed:  # each backend saves the state the others resume from
             subprocess.run(
                 [sys.executable, "-m", "conformance.worker", backend, "--states", states, "--save-states"],
-                env=_env(), cwd=ROOT, capture_output=True, text=True,
+                env=worker_env(), cwd=ROOT, capture_output=True, text=True,
             )  # fmt: skip
         for backend in backends:
             if backend not in installed:
@@ -116,7 +82,7 @@ def run(backends: list[str], out: Path, only: str | None = None, quiet: bool = F
             if only:
                 cmd += ["--only", only]
             proc = subprocess.Popen(
-                cmd, env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+                cmd, env=worker_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
             )
             assert proc.stdout is not None
             seen = 0
@@ -131,7 +97,8 @@ def run(backends: list[str], out: Path, only: str | None = None, quiet: bool = F
                 else:
                     results.append(row)
                     seen += 1
-                    progress.step(backend, row["case"])
+                    done += 1
+                    progress.show(f"[{done:4d}/{total}] {backend:<5} {row['case']}", force=done == total)
             stderr = proc.stderr.read() if proc.stderr else ""
             code = proc.wait()
             meta.setdefault(backend, {"version": None, "device": None})
@@ -175,15 +142,11 @@ def _version() -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    names = args.backend or list(BACKENDS)
-    unknown = [b for b in names if b not in BACKENDS]
-    if unknown:
-        print(
-            f"mpx conformance: unknown backend {unknown[0]!r}; available: {', '.join(BACKENDS)}",
-            file=sys.stderr,
-        )
+    try:
+        names = backend_names(args.backend)
+    except ValueError as err:
+        print(f"mpx conformance: {err}", file=sys.stderr)
         return 2
-    names = list(dict.fromkeys(names))
     data = run(names, args.out, only=args.only, quiet=args.quiet)
     print(report.terminal(data))
     print(f"reports: {args.out / 'report.json'}, {args.out / 'report.md'}, {args.out / 'report.html'}")

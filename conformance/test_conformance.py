@@ -8,7 +8,6 @@ per backend; this process imports no framework.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
@@ -16,9 +15,9 @@ import pytest
 from conformance import cases as C
 from conformance import report
 from conformance.runner import run
-from conformance.worker import BACKENDS
+from mpx._workers import BACKENDS, is_installed
 
-INSTALLED = [b for b, module in BACKENDS.items() if importlib.util.find_spec(module) is not None]
+INSTALLED = [b for b in BACKENDS if is_installed(b)]
 CASE_IDS = [c["id"] for c in C.all_cases()]
 
 

@@ -22,8 +22,8 @@ from typing import Any
 
 from conformance import cases as C
 from conformance.adapters._common import Skip
+from mpx._workers import BACKENDS
 
-BACKENDS = {"torch": "torch", "tf": "tensorflow", "jax": "jax"}
 MODES = ("native", "mpx")
 
 

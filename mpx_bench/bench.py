@@ -24,63 +24,26 @@ The documented output is ``DIR/bench.json`` (format ``"mpx.bench/1"``):
 from __future__ import annotations
 
 import datetime
-import importlib.util
 import json
-import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import mpx
+from mpx._workers import BACKENDS, ROOT, Progress, is_installed, worker_env
 from mpx_bench import stats
 from mpx_bench.machine import machine_info
 
-__all__ = ["BACKENDS", "FORMAT", "UNITS", "run", "run_worker"]
+__all__ = ["FORMAT", "UNITS", "run", "run_worker"]
 
 FORMAT = "mpx.bench/1"
-BACKENDS = {"torch": "torch", "tf": "tensorflow", "jax": "jax"}
-ROOT = Path(__file__).resolve().parents[1]
 UNITS = {
     "_ms": "milliseconds",
     "_s": "seconds",
     "_bytes": "bytes",
     "ratio": "unitless (numerator / denominator)",
 }
-
-
-def worker_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    env.setdefault("KERAS_BACKEND", "tensorflow")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    return env
-
-
-class Progress:
-    """One status line on a terminal (rewritten in place), sparse lines otherwise; nothing when quiet."""
-
-    def __init__(self, quiet: bool) -> None:
-        self.quiet = quiet
-        self.tty = sys.stderr.isatty()
-        self.last = 0.0
-
-    def show(self, text: str, force: bool = False) -> None:
-        if self.quiet:
-            return
-        now = time.monotonic()
-        if self.tty:
-            sys.stderr.write("\r" + text[:100].ljust(100))
-        elif force or now - self.last > 5:
-            sys.stderr.write(text + "\n")
-            self.last = now
-        sys.stderr.flush()
-
-    def note(self, text: str) -> None:
-        if not self.quiet:
-            sys.stderr.write(("\r" + " " * 100 + "\r" if self.tty else "") + text + "\n")
-            sys.stderr.flush()
 
 
 def run_worker(backend: str, argv: list[str], progress: Progress | None = None, timeout_s: float | None = None
@@ -208,7 +171,7 @@ def run(
         meta: dict[str, Any] = {"status": "ok", "framework": backend, "versions": None, "device": None,
                                 "device_name": None, "seconds": None, "error": None}  # fmt: skip
         data["backends"][backend] = meta
-        if importlib.util.find_spec(BACKENDS[backend]) is None:
+        if not is_installed(backend):
             meta.update(status="not installed", error=f"{BACKENDS[backend]} is not installed")
             progress.note(f"{backend}: skipped ({BACKENDS[backend]} is not installed)")
             continue

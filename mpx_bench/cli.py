@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import mpx
-from mpx_bench.bench import BACKENDS
+from mpx._workers import BACKENDS, backend_names
 from mpx_bench.models import MODELS, SIZES
 
 __all__ = ["add_bench_arguments", "add_doctor_arguments", "run_bench", "run_doctor"]
@@ -112,10 +112,10 @@ def run_bench(args: argparse.Namespace) -> int:
     from mpx_bench import bench, report
 
     prog = "mpx bench"
-    names = list(dict.fromkeys(args.backend or list(BACKENDS)))
-    unknown = [b for b in names if b not in BACKENDS]
-    if unknown:
-        return _usage(prog, f"unknown backend {unknown[0]!r}; available: {', '.join(BACKENDS)}")
+    try:
+        names = backend_names(args.backend)
+    except ValueError as err:
+        return _usage(prog, str(err))
     if args.model not in MODELS:
         return _usage(prog, f"unknown model {args.model!r}; available: {', '.join(MODELS)}")
     if args.size not in SIZES:
@@ -172,10 +172,10 @@ def run_doctor(args: argparse.Namespace) -> int:
     from mpx_bench import doctor
 
     prog = "mpx doctor"
-    names = list(dict.fromkeys(args.backend or list(BACKENDS)))
-    unknown = [b for b in names if b not in BACKENDS]
-    if unknown:
-        return _usage(prog, f"unknown backend {unknown[0]!r}; available: {', '.join(BACKENDS)}")
+    try:
+        names = backend_names(args.backend)
+    except ValueError as err:
+        return _usage(prog, str(err))
     try:
         seconds = _number(args.probe_seconds, "--probe-seconds", float, 0)
     except ValueError as err:

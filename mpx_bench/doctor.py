@@ -16,8 +16,9 @@ import time
 from typing import Any
 
 import mpx
+from mpx._workers import BACKENDS, is_installed
 from mpx.advice import slow_entry
-from mpx_bench.bench import BACKENDS, run_worker
+from mpx_bench.bench import run_worker
 from mpx_bench.machine import machine_info
 
 __all__ = ["SLOW_RATIO", "hardware_support", "recommend", "run", "text"]
@@ -102,7 +103,7 @@ def run(backends: list[str], probe_s: float = 1.0, device: str = "cpu") -> dict[
     data: dict[str, Any] = {"mpx_version": mpx.__version__, "machine": machine,
                             "precision_support": hardware_support(machine["cpu_flags"]), "backends": {}}  # fmt: skip
     for backend in backends:
-        entry: dict[str, Any] = {"installed": importlib.util.find_spec(BACKENDS[backend]) is not None,
+        entry: dict[str, Any] = {"installed": is_installed(backend),
                                  "versions": _versions(backend)}  # fmt: skip
         data["backends"][backend] = entry
         if not entry["installed"]:

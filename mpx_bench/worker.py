@@ -13,10 +13,9 @@ import importlib
 import os
 import sys
 
+from mpx._workers import BACKENDS
 from mpx_bench.harness import Emitter, run_configs
 from mpx_bench.models import MODELS, SIZES
-
-BACKENDS = {"torch": "torch", "tf": "tensorflow", "jax": "jax"}
 
 
 def parser() -> argparse.ArgumentParser:

@@ -1,0 +1,75 @@
+"""What the commands that run one worker process per framework share (stdlib only).
+
+``mpx conformance`` and ``mpx bench``/``mpx doctor`` each start one Python
+process per backend, so that no process imports two frameworks.  This module
+holds the backend names, the worker environment and the progress line they
+have in common; it imports no framework.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+#: backend name -> the module it needs (what ``is_installed`` looks for).
+BACKENDS: dict[str, str] = {"torch": "torch", "tf": "tensorflow", "jax": "jax"}
+#: The folder holding ``mpx``, ``conformance`` and ``mpx_bench``; workers run there.
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def is_installed(backend: str) -> bool:
+    """Whether the framework of ``backend`` can be imported (found without importing it)."""
+    return importlib.util.find_spec(BACKENDS[backend]) is not None
+
+
+def backend_names(names: Iterable[str] | None) -> list[str]:
+    """``names`` without repeats, or every backend for None.
+
+    Raises:
+        ValueError: naming the first unknown backend and the known ones.
+    """
+    chosen = list(dict.fromkeys(names or BACKENDS))
+    unknown = [b for b in chosen if b not in BACKENDS]
+    if unknown:
+        raise ValueError(f"unknown backend {unknown[0]!r}; available: {', '.join(BACKENDS)}")
+    return chosen
+
+
+def worker_env() -> dict[str, str]:
+    """The environment of a worker: Keras on TensorFlow, quiet TF logs, ``ROOT`` importable."""
+    env = dict(os.environ)
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    env.setdefault("KERAS_BACKEND", "tensorflow")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+class Progress:
+    """One status line on a terminal (rewritten in place), a line every 5 s otherwise; nothing when quiet."""
+
+    def __init__(self, quiet: bool) -> None:
+        self.quiet = quiet
+        self.tty = sys.stderr.isatty()
+        self.last = 0.0
+
+    def show(self, text: str, force: bool = False) -> None:
+        """The current status; off a terminal it is printed when ``force`` or 5 s after the last."""
+        if self.quiet:
+            return
+        now = time.monotonic()
+        if self.tty:
+            sys.stderr.write("\r" + text[:100].ljust(100))
+        elif force or now - self.last > 5:
+            sys.stderr.write(text + "\n")
+            self.last = now
+        sys.stderr.flush()
+
+    def note(self, text: str) -> None:
+        """A line that stays (clears the status line first)."""
+        if not self.quiet:
+            sys.stderr.write(("\r" + " " * 100 + "\r" if self.tty else "") + text + "\n")
+            sys.stderr.flush()
