@@ -13,8 +13,9 @@ The documented output is ``DIR/bench.json`` (format ``"mpx.bench/1"``):
   ``status`` (``ok`` | ``skipped``), ``note``, ``step_ms`` (``median``, ``min``, ``max``, ``n``),
   ``times_ms`` (every timed step, in round order), ``first_call_ms`` (the first step: tracing and
   compilation included), ``warmup_ms``, ``compile_ms`` (first call minus the median step),
-  ``activation_bytes``, ``xla_temp_bytes``, ``traces_per_step``, ``host_transfers_per_step``,
-  ``host_syncs_per_step`` (None where not measured), and the worker's notes;
+  ``activation_bytes``, ``activation_profile`` (where those bytes go: ``producer``, ``dtype``,
+  ``bytes``, ``tensors``, largest first; torch and JAX), ``xla_temp_bytes``, ``traces_per_step``,
+  ``host_transfers_per_step``, ``host_syncs_per_step`` (None where not measured), and the worker's notes;
 * ``comparisons``: ``backend``, ``policy``, ``kind`` (``time`` | ``activations``), ``name``
   (``native/fp32``, ``mpx/fp32``, ``mpx/native``, ``scaling/mpx``, ``scaling/native``,
   ``mpx-noscale/native-noscale``, ``activations/mpx``...), ``numerator``, ``denominator`` (config ids),
@@ -114,7 +115,13 @@ def _config_row(backend: str, rec: dict[str, Any]) -> dict[str, Any]:
     for key in ("activation_bytes", "saved_weight_copy_bytes", "xla_temp_bytes", "xla_argument_bytes",
                 "traces_total", "traces_per_step", "host_transfers_per_step", "host_syncs_per_step"):  # fmt: skip
         row[key] = rec.get(key)
-    for key in ("activation_note", "traces_note", "host_transfers_note", "measure_error"):
+    for key in (
+        "activation_profile",
+        "activation_note",
+        "traces_note",
+        "host_transfers_note",
+        "measure_error",
+    ):
         if rec.get(key):
             row[key] = rec[key]
     return row

@@ -133,10 +133,29 @@ def markdown(data: dict[str, Any]) -> str:
         "",
         _md_table(*_comparison_table(data)),
         "",
+        *_profile_section(data),
         "![step time per backend and configuration](bench.png)",
         "",
     ]
     return "\n".join(parts)
+
+
+def _profile_section(data: dict[str, Any]) -> list[str]:
+    """Where the activation bytes go, for every configuration that reports a profile."""
+    rows = [c for c in data["configs"] if c.get("activation_profile")]
+    if not rows:
+        return []
+    out = ["## Where the activation bytes go", "",
+           "The tensors autograd keeps for the backward pass, grouped by the op that made them and their dtype "
+           "(torch: the tensor's `grad_fn`, `input` for data; JAX: the primitive that `saved_residuals` names).",
+           ""]  # fmt: skip
+    for c in rows:
+        total = c.get("activation_bytes") or 0
+        cells = ", ".join(f"{r['producer']} {r['dtype']} {_bytes(r['bytes'])}" + (f" ({r['bytes'] / total:.0%})" if total else "")
+                          for r in c["activation_profile"])  # fmt: skip
+        out.append(f"- {c['backend']} `{c['id']}` ({_bytes(total)}): {cells}")
+    out.append("")
+    return out
 
 
 def write_chart(data: dict[str, Any], path: Path) -> Path | None:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import mpx
 from mpx_bench.harness import Config
 
-__all__ = ["modes_for", "timed_probe"]
+__all__ = ["CPU_PROBE_N", "activation_profile", "modes_for", "plan", "timed_probe"]
 
 
 def modes_for(policy: mpx.Policy) -> list[str]:
@@ -42,17 +42,60 @@ def plan(
     return out
 
 
-def timed_probe(run: Callable[[], Any], flops: float, budget_s: float) -> dict[str, Any]:
-    """Call ``run`` (one blocking matmul) until ``budget_s`` is spent; the fastest call wins."""
+#: The square matmul's side on a CPU (a GPU uses 4096): at 256 the call is short enough that dispatch
+#: overhead and noise moved Keras's bfloat16 ratio across doctor's cut-off (0.76-0.88x float32 over two
+#: runs, against 0.65-0.70x at 512 and 0.72x for whole bench steps).
+CPU_PROBE_N = 512
+
+
+def timed_probe(
+    runs: dict[str, Callable[[], Any]], flops: float, budget_s: float
+) -> dict[str, dict[str, Any]]:
+    """Time every ``runs[name]()`` (one blocking matmul of ``flops``) within ``budget_s`` seconds in all.
+
+    Each is called once to warm up (compilation), then the calls are
+    interleaved, one of each per round, so drift on the machine hits every
+    dtype alike; rounds stop when the next one would overrun the budget, and
+    the fastest call of each wins.  Every dtype gets at least one timed call.
+    """
     start = time.perf_counter()
-    run()  # warm-up (and compilation)
-    best = float("inf")
-    calls = 0
-    while True:
-        t0 = time.perf_counter()
+    for run in runs.values():
         run()
-        best = min(best, time.perf_counter() - t0)
-        calls += 1
-        if time.perf_counter() - start + best > budget_s:  # the next call would overrun the budget
+    best = dict.fromkeys(runs, float("inf"))
+    calls = dict.fromkeys(runs, 0)
+    while True:
+        for name, run in runs.items():
+            t0 = time.perf_counter()
+            run()
+            best[name] = min(best[name], time.perf_counter() - t0)
+            calls[name] += 1
+        if time.perf_counter() - start + sum(best.values()) > budget_s:  # the next round would overrun
             break
-    return {"seconds": best, "gflops": flops / best / 1e9, "calls": calls}
+    return {
+        name: {"seconds": best[name], "gflops": flops / best[name] / 1e9, "calls": calls[name]}
+        for name in runs
+    }
+
+
+def activation_profile(items: Iterable[tuple[str, str, int]], top: int = 8) -> list[dict[str, Any]]:
+    """Saved-for-backward bytes grouped by (producer, dtype), largest first: where the activation bytes go.
+
+    ``items`` are ``(producer, dtype, nbytes)`` per saved tensor, ``producer`` the
+    op that made it (torch: its ``grad_fn``, JAX: the primitive), ``input`` for data.
+    The first ``top`` groups are kept and the rest summed into one ``(other)`` row.
+
+    >>> activation_profile([("mm", "bfloat16", 4), ("mm", "bfloat16", 4), ("softmax", "float32", 6)], top=1)
+    [{'producer': 'mm', 'dtype': 'bfloat16', 'bytes': 8, 'tensors': 2}, {'producer': '(other)', 'dtype': '-', 'bytes': 6, 'tensors': 1}]
+    """
+    groups: dict[tuple[str, str], list[int]] = {}
+    for producer, dtype, nbytes in items:
+        g = groups.setdefault((producer, dtype), [0, 0])
+        g[0] += nbytes
+        g[1] += 1
+    rows = [{"producer": p, "dtype": d, "bytes": b, "tensors": n}
+            for (p, d), (b, n) in sorted(groups.items(), key=lambda kv: -kv[1][0])]  # fmt: skip
+    if len(rows) > top:
+        other = {"producer": "(other)", "dtype": "-", "bytes": sum(r["bytes"] for r in rows[top:]),
+                 "tensors": sum(r["tensors"] for r in rows[top:])}  # fmt: skip
+        rows = [*rows[:top], other]
+    return rows

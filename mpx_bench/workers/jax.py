@@ -15,7 +15,7 @@ import mpx
 import mpx_jax
 from mpx_bench import models
 from mpx_bench.harness import Config
-from mpx_bench.workers.common import plan, timed_probe
+from mpx_bench.workers.common import CPU_PROBE_N, activation_profile, plan, timed_probe
 
 _DT = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16, "float64": jnp.float64}
 
@@ -42,15 +42,14 @@ def compute_dtype(policy: str) -> str:
 
 def probe(dtypes: list[str], budget_s: float, device: str, n: int | None = None) -> dict[str, Any]:
     dev = _device(device)
-    n = n or (4096 if dev.platform == "gpu" else 256)
-    out = {}
+    n = n or (4096 if dev.platform == "gpu" else CPU_PROBE_N)
     mm = jax.jit(lambda a, b: (a @ b).sum())
+    runs = {}
     for name in dtypes:
         a = jax.device_put(jnp.asarray(np.random.default_rng(0).standard_normal((n, n)), _DT[name]), dev)
         b = jax.device_put(jnp.asarray(np.random.default_rng(1).standard_normal((n, n)), _DT[name]), dev)
-        out[name] = {"n": n, **timed_probe(lambda a=a, b=b: mm(a, b).block_until_ready(), 2.0 * n**3,
-                                           budget_s / max(1, len(dtypes)))}  # fmt: skip
-    return out
+        runs[name] = lambda a=a, b=b: mm(a, b).block_until_ready()
+    return {name: {"n": n, **r} for name, r in timed_probe(runs, 2.0 * n**3, budget_s).items()}
 
 
 # -- models (pure functions of float32 params) -------------------------------------------
@@ -207,17 +206,22 @@ class Runner:
         self.step()
         retraces = self.traces - traces_before
         shapes = {tuple(a.shape) for a in jax.tree_util.tree_leaves(self.params0)}
-        activation = 0
+        kept = []
         for aval, desc in saved_residuals(lambda p: self.loss_fn(p, *self.data), self.params0):
             if "from the argument" in desc or "from a literal" in desc:
                 continue
             if "convert_element_type" in desc and tuple(aval.shape) in shapes:
                 continue  # a cast copy of a parameter, not an activation
-            activation += math.prod(aval.shape) * np.dtype(aval.dtype).itemsize
+            made_by = desc.split(" from ")[0].removeprefix("output of ").strip() or "?"
+            kept.append(
+                (made_by, np.dtype(aval.dtype).name, math.prod(aval.shape) * np.dtype(aval.dtype).itemsize)
+            )
+        activation = sum(k[2] for k in kept)
         compiled = self.jitted.lower(*self.state, *self.data).compile()
         mem = compiled.memory_analysis()
         return {
             "activation_bytes": activation,
+            "activation_profile": activation_profile(kept),
             "activation_note": "residuals jax.vjp keeps (eager, before XLA fusion), casts of parameters excluded",
             "xla_temp_bytes": getattr(mem, "temp_size_in_bytes", None),
             "xla_argument_bytes": getattr(mem, "argument_size_in_bytes", None),

@@ -17,7 +17,7 @@ import mpx
 import mpx_tf
 from mpx_bench import models
 from mpx_bench.harness import Config
-from mpx_bench.workers.common import plan, timed_probe
+from mpx_bench.workers.common import CPU_PROBE_N, plan, timed_probe
 
 
 def _device(device: str) -> str:
@@ -41,16 +41,16 @@ def compute_dtype(policy: str) -> str:
 
 
 def probe(dtypes: list[str], budget_s: float, device: str, n: int | None = None) -> dict[str, Any]:
-    n = n or (4096 if device.startswith(("cuda", "gpu")) else 256)
-    out = {}
+    n = n or (4096 if device.startswith(("cuda", "gpu")) else CPU_PROBE_N)
     with tf.device(_device(device)):
         mm = tf.function(lambda a, b: tf.reduce_sum(tf.matmul(a, b)))
+        runs = {}
         for name in dtypes:
             a = tf.cast(tf.random.normal((n, n), seed=0), name)
             b = tf.cast(tf.random.normal((n, n), seed=1), name)
-            out[name] = {"n": n, **timed_probe(lambda a=a, b=b: mm(a, b).numpy(), 2.0 * n**3,
-                                               budget_s / max(1, len(dtypes)))}  # fmt: skip
-    return out
+            runs[name] = lambda a=a, b=b: mm(a, b).numpy()
+        results = timed_probe(runs, 2.0 * n**3, budget_s)
+    return {name: {"n": n, **r} for name, r in results.items()}
 
 
 def _network(model: str, size: str, native_output: bool) -> keras.Model:

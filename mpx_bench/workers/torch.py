@@ -17,7 +17,7 @@ import mpx
 import mpx_torch
 from mpx_bench import models
 from mpx_bench.harness import Config
-from mpx_bench.workers.common import plan, timed_probe
+from mpx_bench.workers.common import CPU_PROBE_N, activation_profile, plan, timed_probe
 
 _DT = {
     "float32": torch.float32,
@@ -54,8 +54,8 @@ def _sync(device: torch.device) -> None:
 
 def probe(dtypes: list[str], budget_s: float, device: str, n: int | None = None) -> dict[str, Any]:
     dev = torch.device(device)
-    n = n or (4096 if dev.type == "cuda" else 256)
-    out = {}
+    n = n or (4096 if dev.type == "cuda" else CPU_PROBE_N)
+    runs = {}
     for name in dtypes:
         a = torch.randn(n, n, device=dev).to(_DT[name])
         b = torch.randn(n, n, device=dev).to(_DT[name])
@@ -64,8 +64,8 @@ def probe(dtypes: list[str], budget_s: float, device: str, n: int | None = None)
             F.linear(a, b).sum()  # what nn.Linear runs (torch's CPU mm takes a slower float16 path)
             _sync(dev)
 
-        out[name] = {"n": n, **timed_probe(run, 2.0 * n**3, budget_s / max(1, len(dtypes)))}
-    return out
+        runs[name] = run
+    return {name: {"n": n, **r} for name, r in timed_probe(runs, 2.0 * n**3, budget_s).items()}
 
 
 # -- models ---------------------------------------------------------------------------
@@ -184,11 +184,17 @@ class Runner:
     def measure(self) -> dict[str, Any]:
         saved: dict[tuple[int, int], int] = {}
         weights: dict[tuple[int, int], int] = {}
+        producers: dict[tuple[int, int], tuple[str, str, int]] = {}
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             storage = t.untyped_storage()
             key = (storage.data_ptr(), storage.nbytes())
-            (weights if _from_parameter(t) else saved)[key] = storage.nbytes()
+            if _from_parameter(t):
+                weights[key] = storage.nbytes()
+            else:
+                saved[key] = storage.nbytes()
+                made_by = "input" if t.grad_fn is None else type(t.grad_fn).__name__.removesuffix("Backward0")
+                producers.setdefault(key, (made_by, str(t.dtype).removeprefix("torch."), storage.nbytes()))
             return t
 
         self.opt.zero_grad(set_to_none=True)
@@ -198,6 +204,7 @@ class Runner:
         self.opt.zero_grad(set_to_none=True)
         out: dict[str, Any] = {
             "activation_bytes": sum(saved.values()),
+            "activation_profile": activation_profile(producers.values()),
             "saved_weight_copy_bytes": sum(v for k, v in weights.items() if k[0] not in self._param_ptrs()),
             "traces_per_step": 0,
             "traces_note": "eager: nothing is traced or compiled",

@@ -82,6 +82,15 @@ def test_bench_configs_per_backend(bench, backend):
         assert c["traces_per_step"] == 0, c  # no retrace (or, eager, nothing traced) in the timed steps
         if backend in ("torch", "jax"):
             assert isinstance(c["activation_bytes"], int) and c["activation_bytes"] > 0
+            profile = c["activation_profile"]
+            assert sum(r["bytes"] for r in profile) == c["activation_bytes"], profile
+            assert [r["bytes"] for r in profile[:-1]] == sorted((r["bytes"] for r in profile[:-1]), reverse=True)
+            assert all(r["tensors"] >= 1 and r["producer"] for r in profile)
+            dtypes = {r["dtype"] for r in profile}
+            if cid == "fp32":  # every tensor the float32 step keeps is float32
+                assert dtypes == {"float32"}, profile
+            if cid.startswith("mixed_bfloat16"):  # the bf16 steps keep bfloat16 activations
+                assert "bfloat16" in dtypes, (cid, profile)
         if backend == "jax":
             assert c["host_transfers_per_step"] == 0, c.get("host_transfers_note")
             assert isinstance(c["xla_temp_bytes"], int)
@@ -109,6 +118,7 @@ def test_bench_markdown_chart_and_table(bench):
     md = (out / "bench.md").read_text()
     assert md.startswith("# mpx bench") and "| backend | configuration |" in md and "bench.png" in md
     assert data["machine"]["cpu_model"] in md
+    assert "## Where the activation bytes go" in md and "`mixed_bfloat16/mpx`" in md
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "mixed_float16/mpx-noscale" in stdout and "scaling/mpx" in stdout
 
