@@ -31,9 +31,20 @@ A cast back to half precision of a FLOAT32 op's result (what ``jnp.sum``,
 cast back) is dropped, so those results are float32 for any input.
 
 Functions JAX names in the jaxpr are classified by that name when the op
-table knows it: ``jax.nn.log_softmax``/``softmax``/``logsumexp`` (FLOAT32,
-or LOWER when the policy's ``keep_fp32`` drops softmax), ``jax.nn.standardize``
-(layer_norm), ``jax.nn.relu``/``gelu`` and the other activations (PASSTHROUGH).
+table knows it: ``jax.nn.softmax``/``log_softmax`` (FLOAT32, or LOWER when the
+policy's ``keep_fp32`` drops softmax), ``jax.nn.standardize`` (layer_norm),
+``jax.nn.relu``/``gelu`` and the other activations (PASSTHROUGH).  JAX inlines
+``jax.nn.softmax`` into ``reduce_max``/``exp``/``reduce_sum``, which are float32
+ops anyway; when softmax's class is not FLOAT32 (``keep_fp32`` without
+softmax) ``fn`` is traced under ``jax.softmax_custom_jvp(True)``, which makes
+it a named call.  A named function runs at its new dtypes throughout: its own
+casts back to the half dtype it was traced at follow it (jax's log_softmax and
+standardize of a bfloat16 input sum in float32 and round the sum to bfloat16;
+under mpx they are float32 through and through), and a named FLOAT32 function
+with a custom JVP rule is differentiated through its primitives at float32,
+since the rule would run at the traced half dtype.  Norms and losses written
+out of primitives have no name: their reductions and ``exp``/``log`` make
+them float32 under every ``keep_fp32``.
 
 Sub-jaxprs are transformed too: ``jit``/``pjit`` calls are inlined,
 ``scan``/``while_loop``/``cond`` are rebuilt with ``lax.scan``/``lax.while_loop``/
@@ -212,6 +223,27 @@ class _Interpreter:
         self.policy = policy
         self.table = table
         self.compute = mpx.numpy_dtype(policy.compute_dtype)
+        # inside a named function run at new dtypes: traced half dtype -> the dtype it runs at now
+        self.retype: dict[np.dtype, np.dtype] = {}
+
+    @contextlib.contextmanager
+    def retyping(self, eqn: Any, args: Sequence[Any]) -> Any:
+        """Run a named function's body with its own casts to the half dtype it was traced at redirected.
+
+        ``jax.nn.softmax`` traced at bfloat16 sums in float32 and casts the sum back to bfloat16; run
+        in float32 (FLOAT32 class) that cast must stay float32, and run in float16 (LOWER with a float16
+        policy) it must be float16, or the traced dtype leaks into the result.
+        """
+        new = dict(self.retype)
+        for v, x in zip(eqn.invars, args, strict=False):
+            traced, now = np.dtype(v.aval.dtype), _dtype(x)
+            if traced in _HALF and _is_float(now) and np.dtype(now) != traced:
+                new[traced] = np.dtype(now)
+        previous, self.retype = self.retype, new
+        try:
+            yield
+        finally:
+            self.retype = previous
 
     # -- evaluation -------------------------------------------------------------
     def run_closed(self, closed: Any, args: Sequence[Any], rules: bool) -> list[Any]:
@@ -259,6 +291,8 @@ class _Interpreter:
                 # jnp's own "upcast, reduce, cast back" (jnp.mean, jnp.sum of half inputs): a FLOAT32
                 # op's result stays float32, as the op table says
                 outs = [invals[0]]
+            elif name == "convert_element_type" and self.retype.get(np.dtype(eqn.params["new_dtype"])):
+                outs = [lax.convert_element_type(invals[0], self.retype[np.dtype(eqn.params["new_dtype"])])]
             else:
                 ctx = getattr(getattr(eqn, "ctx", None), "manager", None) or contextlib.nullcontext()
                 with ctx:
@@ -282,6 +316,18 @@ class _Interpreter:
         if name in _FLOAT32_PRIMITIVES:
             return OpClass.FLOAT32
         return OpClass.PASSTHROUGH
+
+    def softmax_by_name(self) -> bool:
+        """Whether ``jax.nn.softmax`` must be traced as a named call for its class to apply.
+
+        JAX inlines it by default: ``reduce_max``, ``exp``, ``reduce_sum``, with the max under
+        ``stop_gradient``.  When those primitives are FLOAT32, as softmax is, the inlined form is
+        computed in float32, forward and backward, and keeps fewer residuals than the named form
+        differentiated at float32; otherwise (``keep_fp32`` without softmax, a changed op table) the
+        name is needed.
+        """
+        inlined = all(self.op_class(p) is OpClass.FLOAT32 for p in ("reduce_max", "exp", "reduce_sum"))
+        return not (inlined and self.named_class("softmax") is OpClass.FLOAT32)
 
     def named_class(self, name: str | None) -> OpClass | None:
         if name not in _NAMED:
@@ -371,7 +417,9 @@ class _Interpreter:
         if rules:
             cls = self.named_class(_func_name(eqn))
             if cls is not None:
-                return self.run(closed.jaxpr, closed.consts, self.precast(cls, invals), False, weak)
+                args = self.precast(cls, invals)
+                with self.retyping(eqn, args):
+                    return self.run(closed.jaxpr, closed.consts, args, False, weak)
         return self.run(closed.jaxpr, closed.consts, invals, rules, weak)
 
     def _sub(self, eqn: Any, closed: Any, invals: list[Any], rules: bool) -> tuple[list[Any], bool]:
@@ -382,11 +430,23 @@ class _Interpreter:
 
     def custom_jvp(self, eqn: Any, invals: list[Any], rules: bool) -> list[Any]:
         closed = eqn.params["call_jaxpr"]
+        if (
+            rules
+            and self.named_class(_func_name(eqn)) is OpClass.FLOAT32
+            and any(_dtype(x) in _HALF for x in invals)
+        ):
+            # A float32 function (jax.nn.softmax) traced at half precision: its own rule would run at
+            # the traced half dtype, so its primitives are differentiated at float32 instead, keeping
+            # the backward pass in float32 as well.
+            args = self.precast(OpClass.FLOAT32, invals)
+            with self.retyping(eqn, args):
+                return self.run_closed(closed, args, False)
         args, inner_rules = self._sub(eqn, closed, invals, rules)
         traced = [v.aval.dtype for v in eqn.invars]
 
         def primal(*xs: Any) -> list[Any]:
-            return self.run_closed(closed, xs, inner_rules)
+            with self.retyping(eqn, xs):
+                return self.run_closed(closed, xs, inner_rules)
 
         def original(*xs: Any) -> list[Any]:
             return _bind(eqn, xs)
@@ -413,7 +473,8 @@ class _Interpreter:
         arg_dtypes = [_dtype(x) for x in args]
 
         def primal(*xs: Any) -> list[Any]:
-            return self.run_closed(closed, xs, inner_rules)
+            with self.retyping(eqn, xs):
+                return self.run_closed(closed, xs, inner_rules)
 
         out_dtypes = [s.dtype for s in jax.eval_shape(primal, *args)]
 
@@ -492,6 +553,12 @@ class _Interpreter:
         return list(jax.checkpoint(fn, **kwargs)(*invals))
 
 
+def _named_softmax(named: bool) -> Any:
+    """A context in which ``jax.nn.softmax`` traces as a named call (``_softmax``) when ``named``."""
+    flag = getattr(jax, "softmax_custom_jvp", None)
+    return flag(True) if named and flag is not None else contextlib.nullcontext()
+
+
 def _is_dynamic(leaf: Any) -> bool:
     return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
 
@@ -540,7 +607,8 @@ def autocast(
             a, k = jax.tree_util.tree_unflatten(treedef, full)
             return fn(*a, **k)
 
-        closed, out_shape = jax.make_jaxpr(flat, return_shape=True)(*dynamic)
+        with _named_softmax(interp.softmax_by_name()):
+            closed, out_shape = jax.make_jaxpr(flat, return_shape=True)(*dynamic)
         outs = interp.run_closed(closed, dynamic, rules=True)
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
 

@@ -83,10 +83,6 @@ def test_every_table_op_has_a_case():
 def test_output_dtype_follows_the_op_table(op, in_dtype, policy):
     if "keep_fp32=none" in policy and op in COMPOSITE:
         pytest.skip("a loss built from primitives has no category: its sums stay float32")
-    if "keep_fp32=none" in policy and op == "softmax":
-        pytest.skip("jax.nn.softmax is inlined without a name in the jaxpr: its exp and sum stay float32")
-    if "keep_fp32=none" in policy and op in ("log_softmax", "layer_norm") and in_dtype != F32:
-        pytest.skip("traced at half precision, JAX's own upcasts inside these functions are kept")
     fn, args = CASES[op]
     args = tuple(x.astype(in_dtype) for x in args)
     expected = mpx.result_dtype(op, policy, [str(x.dtype) for x in args])
@@ -233,6 +229,45 @@ def test_checkpoint_and_nested_jit_and_kwargs():
     np.testing.assert_allclose(float(out), float(f(XB, PARAMS["w1"], scale=2.0)), rtol=2e-2)
     grads = jax.grad(g, argnums=1)(XB, PARAMS["w1"], scale=2.0)
     assert grads.dtype == F32
+
+
+NAMED_FLOAT32 = {
+    "softmax": lambda a: jax.nn.softmax(a, axis=-1),
+    "log_softmax": lambda a: jax.nn.log_softmax(a, axis=-1),
+    "layer_norm": lambda a: jax.nn.standardize(a, axis=-1),
+}
+
+
+@pytest.mark.parametrize("table", [None, mpx.OP_TABLE.replace(exp="lower")], ids=["default", "exp-lower"])
+@pytest.mark.parametrize("half", [BF16, F16])
+@pytest.mark.parametrize("op", sorted(NAMED_FLOAT32))
+def test_named_float32_functions_compute_in_float32_on_half_inputs(op, half, table):
+    # jax traces these at the input's half dtype with its own casts back to it (log_softmax rounds its
+    # sum to bfloat16); under a mixed policy the whole function, forward and backward, is float32.
+    # With exp lowered, softmax is traced as a named custom-JVP call and differentiated at float32.
+    fn = NAMED_FLOAT32[op]
+    x = (rand((4, 64)) * 3).astype(half)
+    policy = f"mixed_{jnp.dtype(half).name}"
+    out = jax.jit(autocast(fn, policy, op_table=table))(x)
+    assert out.dtype == F32
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(fn(x.astype(F32))))
+
+    w = rand((4, 64), key=7)
+    grad = jax.grad(lambda a: jnp.sum(w * autocast(fn, policy, op_table=table)(a)))(x)
+    ref = jax.grad(lambda a: jnp.sum(w * fn(a.astype(F32))))(x)  # float32 backward, rounded once to half
+    assert grad.dtype == half
+    ulp = np.asarray(jnp.finfo(half).eps, np.float32)
+    err = np.abs(np.asarray(grad, np.float32) - np.asarray(ref, np.float32))
+    tiny = np.asarray(jnp.finfo(half).tiny, np.float32)
+    assert np.all(err <= ulp * np.abs(np.asarray(ref, np.float32)) + tiny), (op, float(err.max()))
+
+
+@pytest.mark.parametrize("in_dtype", [BF16, F16])
+@pytest.mark.parametrize("compute", [BF16, F16])
+@pytest.mark.parametrize("op", sorted(NAMED_FLOAT32))
+def test_keep_fp32_none_runs_named_functions_in_the_compute_dtype(op, compute, in_dtype):
+    policy = f"params=float32,compute={jnp.dtype(compute).name},keep_fp32=none"
+    assert autocast(NAMED_FLOAT32[op], policy)(rand((4, 8)).astype(in_dtype)).dtype == compute
 
 
 def test_op_table_override_and_keep_fp32():
