@@ -22,6 +22,11 @@ POLICY_SPECS = (
     "p=f32,c=bf16",
 )
 OP_POLICIES = ("mixed_float16", "mixed_bfloat16")
+#: a mixed policy that keeps no category in float32: softmax, norms and losses follow the compute dtype
+KEEP_NONE_SPEC = "params=float32,compute=bfloat16,output=float32,keep_fp32=none"
+#: how far a FLOAT32 op of half inputs may be from the same op on their float32 upcast (relative, in
+#: norm): float32 rounding only; a computation in bfloat16 or float16 is off by ~1e-3
+OP_VALUE_TOL = 1e-5
 NUMERIC_POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
 T, F = True, False
 
@@ -76,6 +81,17 @@ def op_cases() -> list[Case]:
                     "ops", f"{op}.{spec}.{compute}+float32", "op",
                     {"op": op, "policy": spec, "dtype": compute, "other": "float32"}, {"dtype": expected},
                     f"{op} of {compute} and float32 under {spec} promotes to {expected}",
+                )
+            )  # fmt: skip
+    for op in mpx.OP_CATEGORIES:
+        for dtype in ("float32", "bfloat16"):
+            expected = mpx.result_dtype(op, KEEP_NONE_SPEC, [dtype])
+            out.append(
+                _case(
+                    "ops", f"{op}.keep_fp32=none.{dtype}", "op",
+                    {"op": op, "policy": KEEP_NONE_SPEC, "dtype": dtype}, {"dtype": expected},
+                    f"{op} ({mpx.OP_CATEGORIES[op]} category) on {dtype} inputs under {KEEP_NONE_SPEC} "
+                    f"returns {expected}: keep_fp32=none lowers the category",
                 )
             )  # fmt: skip
     return out
@@ -162,6 +178,20 @@ def numeric_cases() -> list[Case]:
                 f"{tol:.2g} (8 eps of {compute}) of float64 numpy",
             )
         )  # fmt: skip
+    for spec in OP_POLICIES:
+        compute = mpx.get_policy(spec).compute_dtype
+        for op in mpx.OP_TABLE:
+            if mpx.classify(op, spec) is not mpx.OpClass.FLOAT32:
+                continue
+            out.append(
+                _case(
+                    "numerics", f"{op}.{spec}", "op_value",
+                    {"op": op, "policy": spec, "dtype": compute},
+                    {"max_rel_error_at_most": OP_VALUE_TOL},
+                    f"{op} of {compute} inputs under {spec} is computed in float32: within {OP_VALUE_TOL:g} "
+                    f"of {op} of their float32 upcast (computing in {compute} is off by ~{mpx.dtype_info(compute).eps:.1g})",
+                )
+            )  # fmt: skip
     return out
 
 

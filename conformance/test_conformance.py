@@ -62,15 +62,19 @@ KNOWN_DIVERGENCES = {
         "ops.softmax.mixed_float16.float16", "ops.softmax.mixed_bfloat16.bfloat16",
         "ops.layer_norm.mixed_float16.float16", "ops.layer_norm.mixed_bfloat16.bfloat16",
         "scaler.floor", "scaler.ceiling", "portability.resume_from_core",
+        "numerics.softmax.mixed_bfloat16", "numerics.layer_norm.mixed_bfloat16",
+        "ops.cross_entropy.keep_fp32=none.bfloat16",
     ],
     "tf": [
         "ops.softmax.mixed_float16.float32", "ops.softmax.mixed_float16.float16",
         "ops.layer_norm.mixed_float16.float32", "ops.layer_norm.mixed_bfloat16.float32",
         "scaler.defaults", "scaler.floor", "scaler.ceiling",
+        "numerics.softmax.mixed_float16", "numerics.layer_norm.mixed_float16",
     ],
     "jax": [
         "ops.matmul.mixed_float16.float32", "ops.softmax.mixed_bfloat16.bfloat16",
         "scaler.growth_on_nth_step", "scaler.floor", "skip.adam.inf",
+        "numerics.log_softmax.mixed_bfloat16", "ops.softmax.keep_fp32=none.float32",
     ],
 }  # fmt: skip
 

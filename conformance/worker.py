@@ -34,7 +34,7 @@ def load_adapter(backend: str) -> Any:
 def judge(case: C.Case, observed: Any) -> bool:
     """Whether ``observed`` meets the case's expectation."""
     expected = case["expected"]
-    if case["kind"] == "numerics":
+    if case["kind"] in ("numerics", "op_value"):
         err = observed.get("max_rel_error")
         return isinstance(err, float) and math.isfinite(err) and err <= expected["max_rel_error_at_most"]
     return observed == expected

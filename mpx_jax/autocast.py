@@ -19,6 +19,14 @@ according to the class of its primitive in the mpx op table
 * PASSTHROUGH (everything else: ``max``-based ``relu``, ``tanh``, reshapes,
   pooling, gathers...): the input dtype flows through.
 
+Elementwise work whose every result feeds a FLOAT32 op (or a cast to float32)
+and is not returned runs in float32 too: the difference and the square in a
+hand-written ``jnp.mean((pred - y) ** 2)``, the ``x ** 2`` of an RMS norm, the
+``1 - labels`` of a binary cross-entropy.  In half precision they would be
+rounded before the float32 reduction; JAX has no loss or norm op to classify,
+so this is how a loss or norm written out of primitives gets computed in
+float32 as the op table's FLOAT32 class promises.
+
 ``pow`` means ``lax.pow`` (``jnp.power(x, 2.5)``).  An integer power such as
 ``x ** 2`` traces to ``integer_pow``, which stays elementwise: JAX inlines it
 into composites (``gelu``'s ``x ** 3``) whose dtype must pass through.  A
@@ -169,6 +177,13 @@ _ELEMENTWISE = frozenset(
     }
 )  # fmt: skip
 _CALLS = frozenset({"jit", "pjit", "closed_call", "core_call"})
+#: elementwise work that runs in float32 when everything its results feed wants float32
+_FEEDING = frozenset(
+    {
+        "add", "sub", "mul", "div", "neg", "integer_pow", "square", "abs", "max", "min", "sign", "select_n",
+        "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "copy", "transpose",
+    }
+)  # fmt: skip
 
 
 def _is_float(dtype: Any) -> bool:
@@ -272,6 +287,7 @@ class _Interpreter:
 
         env.update(zip(jaxpr.constvars, consts, strict=False))
         env.update(zip(jaxpr.invars, args, strict=False))
+        fed = self.float32_fed(jaxpr) if rules else frozenset()
         # values a FLOAT32-class op computed (and elementwise results of them only)
         wide: set[Any] = set()
         for eqn in jaxpr.eqns:
@@ -294,6 +310,8 @@ class _Interpreter:
             elif name == "convert_element_type" and self.retype.get(np.dtype(eqn.params["new_dtype"])):
                 outs = [lax.convert_element_type(invals[0], self.retype[np.dtype(eqn.params["new_dtype"])])]
             else:
+                if name in _FEEDING and eqn.outvars and all(v in fed for v in eqn.outvars):
+                    invals = [_cast(x, _F32) if _dtype(x) in _HALF else x for x in invals]
                 ctx = getattr(getattr(eqn, "ctx", None), "manager", None) or contextlib.nullcontext()
                 with ctx:
                     outs = self.eqn(eqn, invals, rules, flags)
@@ -307,6 +325,36 @@ class _Interpreter:
             ):
                 wide.update(v for v, o in zip(eqn.outvars, outs, strict=False) if _dtype(o) == _F32)
         return [read(v) for v in jaxpr.outvars]
+
+    def float32_fed(self, jaxpr: Any) -> set[Any]:
+        """Floating variables whose every use wants float32, so elementwise work producing them runs in it.
+
+        A use wants float32 when it is a FLOAT32 op (a reduction, ``exp``...), a cast to float32, or
+        elementwise work whose own results are float32-fed; a value the jaxpr returns is never
+        float32-fed.  So the ``a - b`` and the square of ``jnp.mean((a - b) ** 2)`` run in float32
+        like the mean, where a half-precision difference would be rounded before it is reduced,
+        while ``x ** 3`` inside gelu, whose result feeds a matmul or is returned, stays in the input
+        dtype.
+        """
+        returned = {v for v in jaxpr.outvars if not isinstance(v, jcore.Literal)}
+        uses: dict[Any, list[bool]] = {}
+        fed: set[Any] = set()
+        for eqn in reversed(jaxpr.eqns):
+            for v in eqn.outvars:
+                wants = uses.get(v)
+                if wants and all(wants) and v not in returned and _is_float(v.aval.dtype):
+                    fed.add(v)
+            name = eqn.primitive.name
+            if name in _FEEDING:
+                want = bool(eqn.outvars) and all(v in fed for v in eqn.outvars)
+            elif name == "convert_element_type":
+                want = np.dtype(eqn.params["new_dtype"]) == _F32
+            else:
+                want = not _has_subjaxpr(eqn.params) and self.op_class(name) is OpClass.FLOAT32
+            for v in eqn.invars:
+                if not isinstance(v, jcore.Literal):
+                    uses.setdefault(v, []).append(want)
+        return fed
 
     # -- classes ----------------------------------------------------------------
     def op_class(self, name: str) -> OpClass:

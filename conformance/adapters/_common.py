@@ -49,6 +49,12 @@ def max_rel_error(got: dict[str, np.ndarray], ref: dict[str, np.ndarray]) -> flo
     return worst
 
 
+def rel_error(got: np.ndarray, want: np.ndarray) -> float:
+    """``|got - want| / |want|`` in norm, computed in float64."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.linalg.norm(got - want) / max(float(np.linalg.norm(want)), 1e-30))
+
+
 def op_input(shape: tuple[int, ...], seed: int = 0, positive: bool = False) -> np.ndarray:
     rng = np.random.default_rng(seed)
     x = rng.standard_normal(shape).astype(np.float32)

@@ -21,6 +21,7 @@ from conformance.adapters._common import (
     mlp_data,
     mlp_reference,
     op_input,
+    rel_error,
 )
 
 L = keras.layers
@@ -65,32 +66,56 @@ LAYERS: dict[str, tuple[Any, tuple[int, ...], int]] = {
 }
 
 
-def run_op(p: dict, mode: str) -> dict:
+def _keras_policy(spec: str) -> str:
+    """The Keras policy name a native run uses for an mpx spec (Keras has no keep_fp32 or overrides)."""
+    policy = mpx.get_policy(spec)
+    if policy.lowers_precision and policy.param_dtype == "float32":
+        return f"mixed_{policy.compute_dtype}"
+    return policy.compute_dtype
+
+
+def _call(layer: Any, op: str, inputs: list) -> Any:
+    if op == "attention":
+        return layer(inputs[0], inputs[1])
+    if len(inputs) == 2:
+        return layer(inputs)
+    if op in ("dropout", "batch_norm"):
+        return layer(inputs[0], training=True)
+    return layer(inputs[0])
+
+
+def _run_layer(p: dict, mode: str, upcast: bool = False) -> Any:
+    """The op's layer under ``p["policy"]`` (natively or through mpx) on inputs of ``p["dtype"]``; with
+    ``upcast``, a float32 layer on those inputs cast to float32 (the reference of ``run_op_value``)."""
     op = p["op"]
     if op not in LAYERS:
         raise Skip(f"no Keras layer computes {op!r}: Keras chooses dtypes per layer, not per op")
     make, shape, n = LAYERS[op]
     dtypes = [p["dtype"], p.get("other") or p["dtype"]][:n]
     inputs = [_x((4, *shape), d, seed=i) for i, d in enumerate(dtypes)]
-    if mode == "native":
-        layer = make()
-        layer.dtype_policy = keras.DTypePolicy(p["policy"])
+    layer = make()
+    if upcast:
+        layer.dtype_policy = keras.DTypePolicy("float32")
+        inputs = [tf.cast(x, tf.float32) for x in inputs]
+    elif mode == "native":
+        layer.dtype_policy = keras.DTypePolicy(_keras_policy(p["policy"]))
     else:
-        layer = make()
         model = keras.Sequential([layer]) if n == 1 else None
         if model is None:
             ins = [keras.Input(shape) for _ in range(n)]
             model = keras.Model(ins, layer(*ins) if op == "attention" else layer(ins))
         _mpx_tf().apply_policy(model, p["policy"])
-    if op == "attention":
-        out = layer(inputs[0], inputs[1])
-    elif n == 2:
-        out = layer(inputs)
-    elif op in ("dropout", "batch_norm"):
-        out = layer(inputs[0], training=True)
-    else:
-        out = layer(inputs[0])
-    return {"dtype": dtype_name(out.dtype)}
+    return _call(layer, op, inputs)
+
+
+def run_op(p: dict, mode: str) -> dict:
+    return {"dtype": dtype_name(_run_layer(p, mode).dtype)}
+
+
+def run_op_value(p: dict, mode: str) -> dict:
+    out = _run_layer(p, mode)
+    ref = _run_layer(p, mode, upcast=True)
+    return {"max_rel_error": rel_error(np.asarray(out, np.float64), np.asarray(ref, np.float64))}
 
 
 def _dense_model() -> keras.Model:

@@ -19,6 +19,7 @@ from conformance.adapters._common import (
     mlp_data,
     mlp_reference,
     op_input,
+    rel_error,
 )
 
 DEVICE = "cpu"
@@ -52,20 +53,27 @@ def _t(shape, dtype, seed=0, positive=False):
     return torch.from_numpy(op_input(shape, seed, positive)).to(TORCH_DTYPES[dtype])
 
 
-def _op(op: str, dtype: str, other: str | None) -> Any:
-    """(callable, args) for one canonical op on inputs of ``dtype``."""
-    x = _t((4, 8), dtype)
-    y = _t((4, 8), other or dtype, seed=1)
-    w = _t((6, 8), dtype, seed=2)
-    img = _t((1, 2, 6, 6), dtype)
+def _op(op: str, dtype: str, other: str | None, upcast: bool = False) -> Any:
+    """A callable for one canonical op on inputs of ``dtype`` (``upcast``: those inputs cast to float32)."""
+
+    def t(shape, dt, seed=0, positive=False):
+        out = _t(shape, dt, seed, positive)
+        return out.float() if upcast else out
+
+    x = t((4, 8), dtype)
+    y = t((4, 8), other or dtype, seed=1)
+    w = t((6, 8), dtype, seed=2)
+    img = t((1, 2, 6, 6), dtype)
+    target = torch.sigmoid(_t((4, 8), other or dtype, seed=1))  # probabilities, computed at the input dtype
+    target = target.float() if upcast else target
     table = {
-        "matmul": lambda: torch.matmul(x, _t((8, 3), dtype, 3)),
+        "matmul": lambda: torch.matmul(x, t((8, 3), dtype, 3)),
         "linear": lambda: F.linear(x, w),
-        "conv": lambda: F.conv2d(img, _t((3, 2, 3, 3), dtype, 4)),
-        "conv_transpose": lambda: F.conv_transpose2d(img, _t((2, 3, 3, 3), dtype, 4)),
-        "bmm": lambda: torch.bmm(_t((2, 4, 8), dtype), _t((2, 8, 3), dtype, 5)),
+        "conv": lambda: F.conv2d(img, t((3, 2, 3, 3), dtype, 4)),
+        "conv_transpose": lambda: F.conv_transpose2d(img, t((2, 3, 3, 3), dtype, 4)),
+        "bmm": lambda: torch.bmm(t((2, 4, 8), dtype), t((2, 8, 3), dtype, 5)),
         "einsum": lambda: torch.einsum("ij,kj->ik", x, w),
-        "attention": lambda: F.scaled_dot_product_attention(_t((1, 2, 4, 8), dtype), _t((1, 2, 4, 8), dtype, 6), _t((1, 2, 4, 8), dtype, 7)),
+        "attention": lambda: F.scaled_dot_product_attention(t((1, 2, 4, 8), dtype), t((1, 2, 4, 8), dtype, 6), t((1, 2, 4, 8), dtype, 7)),
         "softmax": lambda: torch.softmax(x, dim=-1),
         "log_softmax": lambda: F.log_softmax(x, dim=-1),
         "layer_norm": lambda: F.layer_norm(x, (8,)),
@@ -75,9 +83,9 @@ def _op(op: str, dtype: str, other: str | None) -> Any:
         "cross_entropy": lambda: F.cross_entropy(x, torch.tensor([0, 1, 2, 3])),
         "nll_loss": lambda: F.nll_loss(x, torch.tensor([0, 1, 2, 3])),
         "mse_loss": lambda: F.mse_loss(x, y),
-        "bce_with_logits": lambda: F.binary_cross_entropy_with_logits(x, torch.sigmoid(y)),
+        "bce_with_logits": lambda: F.binary_cross_entropy_with_logits(x, target),
         "exp": lambda: torch.exp(x),
-        "log": lambda: torch.log(_t((4, 8), dtype, positive=True)),
+        "log": lambda: torch.log(t((4, 8), dtype, positive=True)),
         "pow": lambda: torch.pow(x, 2),
         "sum": lambda: x.sum(),
         "mean": lambda: x.mean(),
@@ -107,6 +115,14 @@ def run_op(p: dict, mode: str) -> dict:
     with _context(mode, policy):
         out = fn()
     return {"dtype": dtype_name(out.dtype)}
+
+
+def run_op_value(p: dict, mode: str) -> dict:
+    fn, reference = _op(p["op"], p["dtype"], None), _op(p["op"], p["dtype"], None, upcast=True)
+    with _context(mode, mpx.get_policy(p["policy"])):
+        out = fn()
+    ref = reference()
+    return {"max_rel_error": rel_error(out.detach().double().numpy(), ref.detach().double().numpy())}
 
 
 def run_policy(p: dict, mode: str) -> dict:

@@ -270,6 +270,39 @@ def test_keep_fp32_none_runs_named_functions_in_the_compute_dtype(op, compute, i
     assert autocast(NAMED_FLOAT32[op], policy)(rand((4, 8)).astype(in_dtype)).dtype == compute
 
 
+COMPOSITE_LOSSES = {
+    "mse": lambda x, y: jnp.mean((x - y) ** 2),
+    "rms_norm": lambda x, y: x * jax.lax.rsqrt(jnp.mean(jnp.square(x), -1, keepdims=True) + 1e-6),
+    "bce": lambda x, y: optax.sigmoid_binary_cross_entropy(x, y).mean(),
+}
+
+
+@pytest.mark.parametrize("half", [BF16, F16])
+@pytest.mark.parametrize("name", sorted(COMPOSITE_LOSSES))
+def test_elementwise_work_feeding_float32_ops_runs_in_float32(name, half):
+    # the difference and the square of a hand-written MSE feed only its mean: computed in half
+    # precision they would be rounded before the float32 reduction; under mpx they are float32
+    fn = COMPOSITE_LOSSES[name]
+    x, y = (rand((4, 8)) * 3).astype(half), jax.nn.sigmoid(rand((4, 8), key=5)).astype(half)
+    out = jax.jit(autocast(fn, f"mixed_{jnp.dtype(half).name}"))(x, y)
+    ref = fn(x.astype(F32), y.astype(F32))
+    assert out.dtype == F32
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-6, atol=0)
+
+
+def test_elementwise_work_that_is_returned_or_lowered_keeps_its_dtype():
+    def f(x, y, w):
+        s = x + y
+        return s, jnp.sum(s), jax.nn.gelu(x) @ w, jnp.sum((x - y) ** 2)
+
+    x, y = rand((4, 8)).astype(BF16), rand((4, 8), key=1).astype(BF16)
+    s, total, h, sq = autocast(f, "mixed_bfloat16")(x, y, rand((8, 3), key=2))
+    assert (s.dtype, total.dtype, h.dtype, sq.dtype) == (BF16, F32, BF16, F32)
+    # s is returned, so it stays bfloat16 and the sum reduces those bfloat16 values
+    assert total == jnp.sum(s.astype(F32))
+    assert sq == jnp.sum((x.astype(F32) - y.astype(F32)) ** 2)
+
+
 def test_op_table_override_and_keep_fp32():
     v = rand((4, 6))
     table = mpx.OP_TABLE.replace(log_softmax="lower", exp="passthrough")
