@@ -169,7 +169,8 @@ _F32 = np.dtype(np.float32)
 _WEAK_KEEPING = frozenset(
     {"convert_element_type", "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "copy"}
 )
-#: elementwise and structural primitives through which a float32 result stays "computed in float32"
+#: elementwise and structural primitives: a float32 result stays "computed in float32" through them, and
+#: they run in float32 themselves when every value they make feeds float32 work (float32_fed)
 _ELEMENTWISE = frozenset(
     {
         "add", "sub", "mul", "div", "neg", "sqrt", "abs", "max", "min", "sign", "square", "integer_pow",
@@ -177,13 +178,6 @@ _ELEMENTWISE = frozenset(
     }
 )  # fmt: skip
 _CALLS = frozenset({"jit", "pjit", "closed_call", "core_call"})
-#: elementwise work that runs in float32 when everything its results feed wants float32
-_FEEDING = frozenset(
-    {
-        "add", "sub", "mul", "div", "neg", "integer_pow", "square", "abs", "max", "min", "sign", "select_n",
-        "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "copy", "transpose",
-    }
-)  # fmt: skip
 
 
 def _is_float(dtype: Any) -> bool:
@@ -307,10 +301,12 @@ class _Interpreter:
                 # jnp's own "upcast, reduce, cast back" (jnp.mean, jnp.sum of half inputs): a FLOAT32
                 # op's result stays float32, as the op table says
                 outs = [invals[0]]
-            elif name == "convert_element_type" and self.retype.get(np.dtype(eqn.params["new_dtype"])):
-                outs = [lax.convert_element_type(invals[0], self.retype[np.dtype(eqn.params["new_dtype"])])]
+            elif name == "convert_element_type" and (
+                target := self.retype.get(np.dtype(eqn.params["new_dtype"]))
+            ):
+                outs = [lax.convert_element_type(invals[0], target)]
             else:
-                if name in _FEEDING and eqn.outvars and all(v in fed for v in eqn.outvars):
+                if name in _ELEMENTWISE and eqn.outvars and all(v in fed for v in eqn.outvars):
                     invals = [_cast(x, _F32) if _dtype(x) in _HALF else x for x in invals]
                 ctx = getattr(getattr(eqn, "ctx", None), "manager", None) or contextlib.nullcontext()
                 with ctx:
@@ -345,7 +341,7 @@ class _Interpreter:
                 if wants and all(wants) and v not in returned and _is_float(v.aval.dtype):
                     fed.add(v)
             name = eqn.primitive.name
-            if name in _FEEDING:
+            if name in _ELEMENTWISE:
                 want = bool(eqn.outvars) and all(v in fed for v in eqn.outvars)
             elif name == "convert_element_type":
                 want = np.dtype(eqn.params["new_dtype"]) == _F32
