@@ -235,28 +235,30 @@ class _Interpreter:
         # inside a named function run at new dtypes: traced half dtype -> the dtype it runs at now
         self.retype: dict[np.dtype, np.dtype] = {}
 
-    @contextlib.contextmanager
-    def retyping(self, eqn: Any, args: Sequence[Any]) -> Any:
-        """Run a named function's body with its own casts to the half dtype it was traced at redirected.
+    # -- evaluation -------------------------------------------------------------
+    def run_closed(self, closed: Any, args: Sequence[Any], rules: bool) -> list[Any]:
+        return self.run(closed.jaxpr, closed.consts, args, rules)
 
-        ``jax.nn.softmax`` traced at bfloat16 sums in float32 and casts the sum back to bfloat16; run
+    def run_retyped(
+        self, closed: Any, args: Sequence[Any], rules: bool, weak: Sequence[bool] | None = None
+    ) -> list[Any]:
+        """Run a named or custom function's body at its arguments' new dtypes, its own casts to the half
+        dtype it was traced at redirected to the dtype that now stands in for it.
+
+        ``jax.nn.log_softmax`` traced at bfloat16 sums in float32 and casts the sum back to bfloat16; run
         in float32 (FLOAT32 class) that cast must stay float32, and run in float16 (LOWER with a float16
         policy) it must be float16, or the traced dtype leaks into the result.
         """
         new = dict(self.retype)
-        for v, x in zip(eqn.invars, args, strict=False):
+        for v, x in zip(closed.jaxpr.invars, args, strict=False):
             traced, now = np.dtype(v.aval.dtype), _dtype(x)
             if traced in _HALF and _is_float(now) and np.dtype(now) != traced:
                 new[traced] = np.dtype(now)
         previous, self.retype = self.retype, new
         try:
-            yield
+            return self.run(closed.jaxpr, closed.consts, args, rules, weak)
         finally:
             self.retype = previous
-
-    # -- evaluation -------------------------------------------------------------
-    def run_closed(self, closed: Any, args: Sequence[Any], rules: bool) -> list[Any]:
-        return self.run(closed.jaxpr, closed.consts, args, rules)
 
     def run(
         self,
@@ -461,9 +463,7 @@ class _Interpreter:
         if rules:
             cls = self.named_class(_func_name(eqn))
             if cls is not None:
-                args = self.precast(cls, invals)
-                with self.retyping(eqn, args):
-                    return self.run(closed.jaxpr, closed.consts, args, False, weak)
+                return self.run_retyped(closed, self.precast(cls, invals), False, weak)
         return self.run(closed.jaxpr, closed.consts, invals, rules, weak)
 
     def _sub(self, eqn: Any, closed: Any, invals: list[Any], rules: bool) -> tuple[list[Any], bool]:
@@ -482,15 +482,12 @@ class _Interpreter:
             # A float32 function (jax.nn.softmax) traced at half precision: its own rule would run at
             # the traced half dtype, so its primitives are differentiated at float32 instead, keeping
             # the backward pass in float32 as well.
-            args = self.precast(OpClass.FLOAT32, invals)
-            with self.retyping(eqn, args):
-                return self.run_closed(closed, args, False)
+            return self.run_retyped(closed, self.precast(OpClass.FLOAT32, invals), False)
         args, inner_rules = self._sub(eqn, closed, invals, rules)
         traced = [v.aval.dtype for v in eqn.invars]
 
         def primal(*xs: Any) -> list[Any]:
-            with self.retyping(eqn, xs):
-                return self.run_closed(closed, xs, inner_rules)
+            return self.run_retyped(closed, xs, inner_rules)
 
         def original(*xs: Any) -> list[Any]:
             return _bind(eqn, xs)
@@ -517,8 +514,7 @@ class _Interpreter:
         arg_dtypes = [_dtype(x) for x in args]
 
         def primal(*xs: Any) -> list[Any]:
-            with self.retyping(eqn, xs):
-                return self.run_closed(closed, xs, inner_rules)
+            return self.run_retyped(closed, xs, inner_rules)
 
         out_dtypes = [s.dtype for s in jax.eval_shape(primal, *args)]
 

@@ -56,16 +56,17 @@ def _t(shape, dtype, seed=0, positive=False):
 def _op(op: str, dtype: str, other: str | None, upcast: bool = False) -> Any:
     """A callable for one canonical op on inputs of ``dtype`` (``upcast``: those inputs cast to float32)."""
 
+    def up(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.float() if upcast else tensor
+
     def t(shape, dt, seed=0, positive=False):
-        out = _t(shape, dt, seed, positive)
-        return out.float() if upcast else out
+        return up(_t(shape, dt, seed, positive))
 
     x = t((4, 8), dtype)
     y = t((4, 8), other or dtype, seed=1)
     w = t((6, 8), dtype, seed=2)
     img = t((1, 2, 6, 6), dtype)
-    target = torch.sigmoid(_t((4, 8), other or dtype, seed=1))  # probabilities, computed at the input dtype
-    target = target.float() if upcast else target
+    target = up(torch.sigmoid(_t((4, 8), other or dtype, seed=1)))  # probabilities, at the input dtype
     table = {
         "matmul": lambda: torch.matmul(x, t((8, 3), dtype, 3)),
         "linear": lambda: F.linear(x, w),
