@@ -16,10 +16,21 @@ from mpx.dtypes import (
     numpy_dtype,
     widest_dtype,
 )
-from mpx.errors import DTypeError, MPXError, PolicyError, ScalerConfigError, StateDictError
+from mpx.errors import (
+    DTypeError,
+    MPXError,
+    PolicyError,
+    ScalerConfigError,
+    ScalerStuckError,
+    ScalerStuckWarning,
+    StateDictError,
+)
+from mpx.history import HISTORY_FORMAT, HistoryError, ScalerHistory
 from mpx.ops import OP_CATEGORIES, OP_TABLE, OpClass, OpTable, classify, result_dtype
 from mpx.policy import CATEGORIES, PRESET_ALIASES, PRESETS, Override, Policy, PolicySpec, get_policy
 from mpx.scaling import (
+    COUNTER_MAX,
+    SCALE_FLOOR,
     STATE_DICT_FORMAT,
     LossScaler,
     ScalerConfig,
@@ -29,16 +40,21 @@ from mpx.scaling import (
     scaler_update,
     state_dict,
 )
+from mpx.stuck import stuck_message
 
 __all__ = [
     "CANONICAL_DTYPES",
     "CATEGORIES",
+    "COUNTER_MAX",
     "FLOATING_DTYPES",
+    "HISTORY_FORMAT",
     "HALF_DTYPES",
+    "HistoryError",
     "OP_CATEGORIES",
     "OP_TABLE",
     "PRESETS",
     "PRESET_ALIASES",
+    "SCALE_FLOOR",
     "STATE_DICT_FORMAT",
     "DTypeError",
     "DTypeInfo",
@@ -52,7 +68,10 @@ __all__ = [
     "PolicySpec",
     "ScalerConfig",
     "ScalerConfigError",
+    "ScalerHistory",
     "ScalerState",
+    "ScalerStuckError",
+    "ScalerStuckWarning",
     "SlowPolicyWarning",
     "StateDictError",
     "__version__",
@@ -66,6 +85,7 @@ __all__ = [
     "scaler_init",
     "scaler_update",
     "state_dict",
+    "stuck_message",
     "warn_if_slow",
     "widest_dtype",
 ]

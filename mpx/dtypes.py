@@ -76,6 +76,10 @@ def _framework_dtype_name(value: Any) -> str | None:
     if root in ("tensorflow", "keras"):
         name = getattr(value, "name", None)
         return name if isinstance(name, str) else None
+    if root == "jax" and isinstance(value, type):
+        # jnp.float32, jnp.bfloat16: classes of metaclass _ScalarMeta, each holding its numpy dtype
+        dtype = getattr(value, "dtype", None)
+        return dtype.name if isinstance(dtype, np.dtype) else None
     return None
 
 

@@ -7,7 +7,15 @@ message names the offending field or token and says what would be accepted.
 
 from __future__ import annotations
 
-__all__ = ["DTypeError", "MPXError", "PolicyError", "ScalerConfigError", "StateDictError"]
+__all__ = [
+    "DTypeError",
+    "MPXError",
+    "PolicyError",
+    "ScalerConfigError",
+    "ScalerStuckError",
+    "ScalerStuckWarning",
+    "StateDictError",
+]
 
 
 class MPXError(ValueError):
@@ -28,3 +36,11 @@ class ScalerConfigError(MPXError):
 
 class StateDictError(MPXError):
     """A scaler state dict is malformed, tampered with or of another format."""
+
+
+class ScalerStuckError(MPXError):
+    """A loss scaler skipped ``ScalerConfig.max_consecutive_skips`` steps in a row (see :mod:`mpx.stuck`)."""
+
+
+class ScalerStuckWarning(UserWarning):
+    """What a stuck loss scaler warns with when ``ScalerConfig.on_stuck`` is ``"warn"``."""

@@ -99,8 +99,9 @@ def _categories(value: Any) -> tuple[str, ...]:
         ) from None
     seen: set[str] = set()
     for item in items:
-        if item not in CATEGORIES:
-            raise PolicyError(f"keep_fp32: unknown category {item!r}; allowed: {', '.join(CATEGORIES)}")
+        if not isinstance(item, str) or item not in CATEGORIES:
+            shown = repr(item) if len(repr(item)) <= 60 else f"a {type(item).__name__}"
+            raise PolicyError(f"keep_fp32: unknown category {shown}; allowed: {', '.join(CATEGORIES)}")
         if item in seen:
             raise PolicyError(f"keep_fp32: category {item!r} is named twice")
         seen.add(item)
@@ -296,7 +297,13 @@ class Policy:
                 raise PolicyError(
                     f"policy dict: each override must be a dict with keys 'selector' and 'policy', got {rule!r}"
                 )
-            rules.append(Override(_check_selector(rule["selector"]), cls.from_dict(rule["policy"])))
+            inner = rule["policy"]
+            nested = inner.get("overrides") if isinstance(inner, Mapping) else None
+            if nested is not None and not (isinstance(nested, (list, tuple)) and not nested):  # no deep recursion
+                raise PolicyError(
+                    f"override {rule['selector']!r}: an override's policy cannot have overrides of its own"
+                )
+            rules.append(Override(_check_selector(rule["selector"]), cls.from_dict(inner)))
         return cls(
             data["param_dtype"],
             data["compute_dtype"],

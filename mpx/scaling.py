@@ -1,8 +1,13 @@
 """The loss-scaling state machine: configuration, state, the reference transition.
 
 Every backend's scaler runs exactly :func:`scaler_update`.  The scale is a
-float32 value: each product is ``float32(scale) * float32(factor)``, rounded to
-float32, so a pure-Python trace and a device tensor agree bit for bit.
+float32 value; each product is computed as torch's CPU kernel
+(``torch._amp_update_scale_``) computes it, ``float32(float64(scale) *
+float64(factor))``: one float64 product, rounded to float32.  Backends without
+float64 evaluate :func:`product_bits` (integer arithmetic on the float32 bits,
+exact).  The scale never drops below :data:`SCALE_FLOOR` (the smallest positive
+normal float32), even with ``min_scale=None``, and the counters saturate at
+:data:`COUNTER_MAX` (2**31 - 1), so every backend holds them in int32.
 
 >>> cfg = ScalerConfig(growth_interval=2)
 >>> s = scaler_init(cfg)
@@ -25,20 +30,41 @@ import numpy as np
 from mpx.errors import MPXError, ScalerConfigError, StateDictError
 
 __all__ = [
+    "BACKOFF_FACTOR_MIN",
+    "COUNTER_MAX",
+    "GROWTH_FACTOR_MAX",
+    "SCALE_FLOOR",
     "STATE_DICT_FORMAT",
+    "FactorSplit",
     "LossScaler",
     "ScalerConfig",
     "ScalerState",
     "load_state_dict",
+    "product_bits",
+    "scale_product",
     "scaler_init",
     "scaler_update",
+    "split_factor",
     "state_dict",
 ]
 
 #: The ``format`` tag of every scaler state dict this version writes and reads.
 STATE_DICT_FORMAT = "mpx.scaler/1"
 KINDS = ("dynamic", "static", "none")
+#: The values of ``ScalerConfig.on_stuck``.
+ON_STUCK = ("raise", "warn")
 _F32_MAX = float(np.finfo(np.float32).max)
+#: The smallest scale there is: the smallest positive normal float32, 2**-126.  Every
+#: scale (init, bounds, a loaded state) is at least this, and a backoff never goes below it.
+SCALE_FLOOR = 2.0**-126
+#: The largest value of every counter (steps, skipped_steps, consecutive_nonfinite, and of
+#: growth_interval and hysteresis): int32's max, which every backend holds (torch's kernel
+#: keeps its growth tracker in an int32, JAX int32 by default).  Counters saturate there.
+COUNTER_MAX = 2**31 - 1
+#: The largest growth_factor and the smallest backoff_factor a config accepts.
+GROWTH_FACTOR_MAX = 2.0**32
+BACKOFF_FACTOR_MIN = 2.0**-32
+INF_BITS = 0x7F800000
 
 
 def f32(x: float) -> float:
@@ -47,10 +73,82 @@ def f32(x: float) -> float:
         return float(np.float32(x))
 
 
-def mul32(a: float, b: float) -> float:
-    """``float32(a) * float32(b)`` rounded to float32 (inf on overflow), as a Python float."""
-    with np.errstate(over="ignore"):
-        return float(np.float32(a) * np.float32(b))
+def scale_product(scale: float, factor: float) -> float:
+    """``float32(float64(scale) * float64(factor))`` as a Python float (inf on overflow).
+
+    torch's rule (its CPU ``_amp_update_scale_`` kernel multiplies the float32
+    scale by the factor as doubles, then stores a float32): one product in
+    float64, one rounding to float32 (nearest, ties to even; subnormals kept).
+    """
+    return f32(float(scale) * float(factor))
+
+
+@dataclass(frozen=True)
+class FactorSplit:
+    """A factor as ``mantissa * 2**exponent``, ``mantissa`` a 53-bit int given as five 12-bit limbs.
+
+    ``limbs`` is low limb first; the constants :func:`product_bits` needs.
+    """
+
+    limbs: tuple[int, int, int, int, int]
+    exponent: int
+
+
+def split_factor(factor: float) -> FactorSplit:
+    """The exact split of a positive finite float64 ``factor`` for :func:`product_bits`."""
+    mant, exp = math.frexp(float(factor))
+    if not (mant > 0 and math.isfinite(mant)):
+        raise ScalerConfigError(f"factor: expected a positive finite number, got {factor!r}")
+    m = int(mant * 2.0**53)  # exact: a float64 mantissa has 53 bits
+    return FactorSplit(tuple((m >> (12 * k)) & 0xFFF for k in range(5)), exp - 53)  # type: ignore[arg-type]
+
+
+def product_bits(bits: Any, split: FactorSplit, where: Any) -> Any:
+    """The int32 bits of ``scale_product(scale, factor)``, from int32 operations only.
+
+    ``bits`` is the int32 bit pattern of a normal positive float32 scale (an
+    array of any backend: numpy, jax, tf with operators), ``split`` the
+    :func:`split_factor` of the factor, ``where`` the backend's
+    ``where(cond, a, b)``.  The exact 77-bit product of the mantissas is
+    built from 12-bit limbs (every intermediate below 2**27), rounded to 53
+    bits (float64) and then to 24 bits (float32), both to nearest even, as the
+    float64 product does.  Returns the bits of +inf when the result overflows
+    float32, and 0 when it lies below :data:`SCALE_FLOOR` (callers floor the
+    scale there, so its subnormal value never matters).
+    """
+    exp_a = bits >> 23
+    ma = (bits & 0x7FFFFF) | 0x800000
+    a0, a1 = ma & 0xFFF, ma >> 12
+    b0, b1, b2, b3, b4 = split.limbs
+    columns = (a0 * b0, a1 * b0 + a0 * b1, a1 * b1 + a0 * b2, a1 * b2 + a0 * b3, a1 * b3 + a0 * b4, a1 * b4)
+    p: list[Any] = []
+    carry: Any = 0
+    for column in columns:
+        t = column + carry
+        p.append(t & 0xFFF)
+        carry = t >> 12
+    p.append(carry)  # the product has 76 or 77 bits: p[6] < 2**5
+    short = p[6] < 16  # 76 bits: shift left once, so 77 bits = 24 dropped + 53 kept
+    q = [where(short, ((p[k] << 1) & 0xFFF) | ((p[k - 1] >> 11) if k else 0), p[k]) for k in range(7)]
+    # round to 53 bits (float64): drop q[0], q[1]
+    dropped = (q[1] << 12) | q[0]
+    up = (dropped > 0x800000) | ((dropped == 0x800000) & ((q[2] & 1) == 1))
+    carry = where(up, 1, 0)
+    for k in range(2, 7):
+        t = q[k] + carry
+        q[k] = t & 0xFFF if k < 6 else t
+        carry = t >> 12
+    # round those 53 bits to 24 (float32): drop the low 29
+    r = (q[4] >> 5) | (q[5] << 7) | (q[6] << 19)
+    rest = q[2] | (q[3] << 12) | ((q[4] & 31) << 24)
+    up = (rest > 0x10000000) | ((rest == 0x10000000) & ((r & 1) == 1))
+    r = r + where(up, 1, 0)
+    over = r >> 24  # 1 when rounding carried to 2**24
+    r = r >> over
+    field = exp_a + (split.exponent + 53) - where(short, 1, 0) + over
+    safe = where(field > 254, 254, where(field < 1, 1, field))
+    normal = (safe << 23) | (r & 0x7FFFFF)
+    return where(field > 254, INF_BITS, where(field < 1, 0, normal))
 
 
 def _is_number(value: Any) -> bool:
@@ -63,6 +161,25 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
+def _show(value: Any) -> str:
+    """``repr(value)``, short: a huge int (whose repr may even raise) by its size only."""
+    if _is_int(value) and abs(int(value)).bit_length() > 64:
+        return f"an int of {abs(int(value)).bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _finite_float(value: Any) -> float | None:
+    """``float(value)`` for a finite real number (huge ints included: None), else None."""
+    if not _is_number(value):
+        return None
+    try:
+        x = float(value)
+    except OverflowError:
+        return None
+    return x if math.isfinite(x) else None
+
+
 @dataclass(frozen=True)
 class ScalerConfig:
     """How a loss scaler behaves (frozen; validated on construction).
@@ -71,17 +188,31 @@ class ScalerConfig:
         kind: ``"dynamic"`` (grow and back off), ``"static"`` (always
             ``init_scale``) or ``"none"`` (scale 1.0).
         init_scale: the first scale (default 2**16, torch's; Keras starts at 2**15).
-        growth_factor: factor applied after ``growth_interval`` finite steps in a row (> 1, default 2.0).
-        backoff_factor: factor applied on a non-finite step, in (0, 1) (default 0.5).
-        growth_interval: finite steps in a row before growing, an int >= 1 (default 2000).
-        min_scale: floor of the scale (default 1.0); None for no floor (torch).
+        growth_factor: factor applied after ``growth_interval`` finite steps in
+            a row, in (1, 2**32] (default 2.0).
+        backoff_factor: factor applied on a non-finite step, in [2**-32, 1) (default 0.5).
+        growth_interval: finite steps in a row before growing, an int in
+            [1, 2**31 - 1] (default 2000).
+        min_scale: floor of the scale (default 1.0); None for the smallest
+            positive normal float32, 2**-126 (:data:`SCALE_FLOOR`; torch has
+            no floor and can reach 0).
         max_scale: ceiling of the scale (default 2**24); None for no ceiling.
             A growth that would overflow float32 keeps the old scale either way.
-        hysteresis: consecutive non-finite steps before backing off, an int >= 1 (default 1).
+        hysteresis: consecutive non-finite steps before backing off, an int in
+            [1, 2**31 - 1] (default 1).
         skip_nonfinite: skip the update on a non-finite step; None (default)
             means True for dynamic and static, False for none.
+        max_consecutive_skips: stuck detection: after this many skipped steps
+            in a row (an int in [1, 2**31 - 1]) the backend raises
+            :class:`mpx.ScalerStuckError` or warns (``on_stuck``), again after
+            each further multiple; None (the default) turns it off (free: no
+            host sync, nothing added to a compiled step).  See :mod:`mpx.stuck`.
+        on_stuck: ``"raise"`` (default) or ``"warn"`` (a
+            :class:`mpx.ScalerStuckWarning`) when ``max_consecutive_skips`` is reached.
 
-    Factors and bounds act as float32 numbers.
+    Scales (``init_scale``, ``min_scale``, ``max_scale``) act as float32
+    values and must lie in [2**-126, float32's max]; the factors are used as
+    float64 values (torch's rule, see :func:`scale_product`).
 
     Raises:
         ScalerConfigError: naming the field and its allowed range.
@@ -96,36 +227,42 @@ class ScalerConfig:
     max_scale: float | None = 2.0**24
     hysteresis: int = 1
     skip_nonfinite: bool | None = None
+    max_consecutive_skips: int | None = None
+    on_stuck: Literal["raise", "warn"] = "raise"
 
     def __post_init__(self) -> None:
         err = ScalerConfigError
-        if self.kind not in KINDS:
-            raise err(f"kind: {self.kind!r} is not a scaler kind; allowed: {', '.join(KINDS)}")
-        for name in ("init_scale", "growth_factor", "backoff_factor"):
+        if not isinstance(self.kind, str) or self.kind not in KINDS:
+            raise err(f"kind: {_show(self.kind)} is not a scaler kind; allowed: {', '.join(KINDS)}")
+        f32_max = f"{_F32_MAX:.9g}"
+        for name in ("init_scale", "min_scale", "max_scale"):
             value = getattr(self, name)
-            if not _is_number(value) or not math.isfinite(value):
-                raise err(f"{name}: expected a finite number, got {value!r}")
-            object.__setattr__(self, name, float(value))
-        for name in ("min_scale", "max_scale"):
-            value = getattr(self, name)
-            if value is None:
+            if value is None and name != "init_scale":
                 continue
-            if not _is_number(value) or not math.isfinite(value):
-                raise err(f"{name}: expected a finite number or None, got {value!r}")
-            if not 0 < f32(value) <= _F32_MAX:
-                raise err(f"{name}: {value!r} must be positive and at most float32's max")
-            object.__setattr__(self, name, float(value))
+            x = _finite_float(value)
+            if x is None:
+                none = " or None" if name != "init_scale" else ""
+                raise err(f"{name}: expected a finite number{none}, got {_show(value)}")
+            if not SCALE_FLOOR <= f32(x) <= _F32_MAX:
+                raise err(f"{name}: {_show(value)} must lie in [2**-126, {f32_max}] (a normal float32 scale)")
+            object.__setattr__(self, name, x)
+        ranges = {
+            "growth_factor": ("(1, 2**32]", lambda x: 1.0 < x <= GROWTH_FACTOR_MAX),
+            "backoff_factor": ("[2**-32, 1)", lambda x: BACKOFF_FACTOR_MIN <= x < 1.0),
+        }
+        for name, (text, ok) in ranges.items():
+            value = getattr(self, name)
+            x = _finite_float(value)
+            if x is None:
+                raise err(f"{name}: expected a finite number in {text}, got {_show(value)}")
+            if not ok(x):
+                raise err(f"{name}: {_show(value)} must lie in {text}")
+            object.__setattr__(self, name, x)
         for name in ("growth_interval", "hysteresis"):
             value = getattr(self, name)
-            if not _is_int(value) or value < 1:
-                raise err(f"{name}: expected an int >= 1, got {value!r}")
+            if not _is_int(value) or not 1 <= value <= COUNTER_MAX:
+                raise err(f"{name}: expected an int in [1, 2**31 - 1], got {_show(value)}")
             object.__setattr__(self, name, int(value))
-        if not 0 < f32(self.init_scale) <= _F32_MAX:
-            raise err(f"init_scale: {self.init_scale!r} must be positive and at most float32's max")
-        if not f32(self.growth_factor) > 1.0:
-            raise err(f"growth_factor: {self.growth_factor!r} must be > 1 (as a float32)")
-        if not 0.0 < f32(self.backoff_factor) < 1.0:
-            raise err(f"backoff_factor: {self.backoff_factor!r} must lie in (0, 1) (as a float32)")
         lo, hi = self.min_scale, self.max_scale
         if lo is not None and hi is not None and lo > hi:
             raise err(f"min_scale: {lo!r} is greater than max_scale {hi!r}")
@@ -136,9 +273,16 @@ class ScalerConfig:
         if self.skip_nonfinite is None:
             object.__setattr__(self, "skip_nonfinite", self.kind != "none")
         elif not isinstance(self.skip_nonfinite, (bool, np.bool_)):
-            raise err(f"skip_nonfinite: expected True, False or None, got {self.skip_nonfinite!r}")
+            raise err(f"skip_nonfinite: expected True, False or None, got {_show(self.skip_nonfinite)}")
         else:
             object.__setattr__(self, "skip_nonfinite", bool(self.skip_nonfinite))
+        limit = self.max_consecutive_skips
+        if limit is not None:
+            if not _is_int(limit) or not 1 <= limit <= COUNTER_MAX:
+                raise err(f"max_consecutive_skips: expected None or an int in [1, 2**31 - 1], got {_show(limit)}")
+            object.__setattr__(self, "max_consecutive_skips", int(limit))
+        if not isinstance(self.on_stuck, str) or self.on_stuck not in ON_STUCK:
+            raise err(f"on_stuck: {_show(self.on_stuck)} is not allowed; allowed: {', '.join(ON_STUCK)}")
 
     @classmethod
     def for_policy(cls, policy: Any, **changes: Any) -> ScalerConfig:
@@ -156,10 +300,29 @@ class ScalerConfig:
 
     @property
     def bounds(self) -> tuple[float, float]:
-        """(floor, ceiling) as float32 values; (0.0, inf) where unbounded."""
-        lo = 0.0 if self.min_scale is None else f32(self.min_scale)
+        """(floor, ceiling) as float32 values: the floor is :data:`SCALE_FLOOR` for
+        ``min_scale=None``, the ceiling inf for ``max_scale=None``."""
+        lo = SCALE_FLOOR if self.min_scale is None else f32(self.min_scale)
         hi = math.inf if self.max_scale is None else f32(self.max_scale)
         return lo, hi
+
+    @property
+    def scale_can_drop_below_one(self) -> bool:
+        """Whether the scale can be below 1, so that unscaling (dividing by it) can
+        overflow finite gradients: backends then test the unscaled gradients."""
+        if self.kind == "dynamic":
+            return self.bounds[0] < 1.0
+        return self.first_scale < 1.0
+
+    @property
+    def growth_split(self) -> FactorSplit:
+        """:func:`split_factor` of ``growth_factor`` (for backends without float64)."""
+        return split_factor(self.growth_factor)
+
+    @property
+    def backoff_split(self) -> FactorSplit:
+        """:func:`split_factor` of ``backoff_factor`` (for backends without float64)."""
+        return split_factor(self.backoff_factor)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-safe dict of every field."""
@@ -167,13 +330,14 @@ class ScalerConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ScalerConfig:
-        """Read :meth:`to_dict` back; unknown or missing keys raise ScalerConfigError."""
+        """Read :meth:`to_dict` back; unknown keys raise ScalerConfigError, missing ones take their defaults
+        (so a dict written before a field existed, e.g. without ``max_consecutive_skips``, loads with it off)."""
         if not isinstance(data, Mapping):
             raise ScalerConfigError(f"config: expected a mapping, got {type(data).__name__}")
         names = [f.name for f in dataclasses.fields(cls)]
         unknown = [k for k in data if k not in names]
         if unknown:
-            raise ScalerConfigError(f"config: unknown key {unknown[0]!r}; allowed: {', '.join(names)}")
+            raise ScalerConfigError(f"config: unknown key {_show(unknown[0])}; allowed: {', '.join(names)}")
         return cls(**data)
 
 
@@ -200,7 +364,9 @@ def scaler_update(config: ScalerConfig, state: ScalerState, finite: bool) -> Sca
     ``config.skip_nonfinite``.  A dynamic scale grows by ``growth_factor`` on the
     ``growth_interval``-th finite step in a row, up to ``max_scale`` (and never
     to a non-finite float32), and backs off by ``backoff_factor`` once
-    ``hysteresis`` non-finite steps have come in a row, down to ``min_scale``.
+    ``hysteresis`` non-finite steps have come in a row, down to ``min_scale``
+    (:data:`SCALE_FLOOR` for None).  Each product is :func:`scale_product`.
+    The counters saturate at :data:`COUNTER_MAX`.
     """
     if not isinstance(finite, (bool, np.bool_)):
         raise MPXError(f"finite: expected a bool, got {finite!r} ({type(finite).__name__})")
@@ -208,26 +374,26 @@ def scaler_update(config: ScalerConfig, state: ScalerState, finite: bool) -> Sca
     skipped = (not finite) and config.skip_nonfinite
     scale = state.scale
     tracker = state.growth_tracker
-    consecutive = 0 if finite else state.consecutive_nonfinite + 1
+    consecutive = 0 if finite else min(state.consecutive_nonfinite + 1, COUNTER_MAX)
     if config.kind == "dynamic":
         lo, hi = config.bounds
         if finite:
             tracker += 1
             if tracker == config.growth_interval:
-                grown = mul32(scale, config.growth_factor)
+                grown = scale_product(scale, config.growth_factor)
                 if math.isfinite(grown):
                     scale = min(grown, hi)
                 tracker = 0
         else:
             tracker = 0
             if consecutive >= config.hysteresis:
-                scale = max(mul32(scale, config.backoff_factor), lo)
+                scale = max(scale_product(scale, config.backoff_factor), lo)
     return ScalerState(
         scale=scale,
         growth_tracker=tracker,
         consecutive_nonfinite=consecutive,
-        steps=state.steps + 1,
-        skipped_steps=state.skipped_steps + int(skipped),
+        steps=min(state.steps + 1, COUNTER_MAX),
+        skipped_steps=min(state.skipped_steps + int(skipped), COUNTER_MAX),
     )
 
 
@@ -249,15 +415,22 @@ def state_dict(config: ScalerConfig, state: ScalerState) -> dict[str, Any]:
 def load_state_dict(data: Mapping[str, Any]) -> tuple[ScalerConfig, ScalerState]:
     """Validate a :func:`state_dict` dict and return its (config, state).
 
+    Counters are ints in [0, 2**31 - 1] (:data:`COUNTER_MAX`), so every
+    backend loads whatever this accepts.
+
     Raises:
         StateDictError: for a wrong format tag, missing or unknown keys, an
-            invalid config, or any field a run of the state machine cannot produce.
+            invalid config, or any field a run of the state machine cannot
+            produce (among them: growth_tracker > steps; growth_tracker and
+            consecutive_nonfinite both positive; consecutive_nonfinite >
+            skipped_steps with skipping on; a scale off its bounds).
     """
     err = StateDictError
     if not isinstance(data, Mapping):
         raise err(f"state dict: expected a mapping, got {type(data).__name__}")
-    if data.get("format") != STATE_DICT_FORMAT:
-        raise err(f"format: expected {STATE_DICT_FORMAT!r}, got {data.get('format')!r}")
+    fmt = data.get("format")
+    if not (isinstance(fmt, str) and fmt == STATE_DICT_FORMAT):
+        raise err(f"format: expected {STATE_DICT_FORMAT!r}, got {_show(data.get('format'))}")
     missing = [k for k in _KEYS if k not in data]
     if missing:
         raise err(
@@ -265,34 +438,50 @@ def load_state_dict(data: Mapping[str, Any]) -> tuple[ScalerConfig, ScalerState]
         )
     unknown = [k for k in data if k not in _KEYS]
     if unknown:
-        raise err(f"state dict: unknown key {unknown[0]!r}; allowed: {', '.join(_KEYS)}")
+        raise err(f"state dict: unknown key {_show(unknown[0])}; allowed: {', '.join(_KEYS)}")
     try:
         config = ScalerConfig.from_dict(data["config"])
     except ScalerConfigError as e:
         raise err(f"config: {e}") from None
     for name in _COUNTERS:
         value = data[name]
-        if not _is_int(value) or value < 0:
-            raise err(f"{name}: expected an int >= 0, got {value!r}")
+        if not _is_int(value) or not 0 <= value <= COUNTER_MAX:
+            raise err(f"{name}: expected an int in [0, 2**31 - 1], got {_show(value)}")
     scale = data["scale"]
-    if not _is_number(scale) or not math.isfinite(scale) or scale <= 0:
-        raise err(f"scale: expected a finite positive number, got {scale!r}")
-    if f32(scale) != scale:
-        raise err(f"scale: {scale!r} is not a float32 value")
-    state = ScalerState(float(scale), *(int(data[name]) for name in _COUNTERS))
+    x = _finite_float(scale)
+    if x is None or x <= 0:
+        raise err(f"scale: expected a finite positive number, got {_show(scale)}")
+    if f32(x) != x:
+        raise err(f"scale: {_show(scale)} is not a float32 value")
+    if x < SCALE_FLOOR:
+        raise err(f"scale: {_show(scale)} is below the smallest scale, 2**-126")
+    state = ScalerState(x, *(int(data[name]) for name in _COUNTERS))
     if state.skipped_steps > state.steps or state.consecutive_nonfinite > state.steps:
         raise err("steps: skipped_steps and consecutive_nonfinite cannot exceed steps")
+    if state.growth_tracker > state.steps:
+        raise err(f"growth_tracker: {state.growth_tracker} cannot exceed steps {state.steps}")
+    if state.growth_tracker and state.consecutive_nonfinite:
+        raise err(
+            "growth_tracker: a finite step resets consecutive_nonfinite and a non-finite one resets "
+            f"growth_tracker, so both cannot be positive (got {state.growth_tracker} and "
+            f"{state.consecutive_nonfinite})"
+        )
+    if config.skip_nonfinite and state.consecutive_nonfinite > state.skipped_steps:
+        raise err(
+            f"consecutive_nonfinite: {state.consecutive_nonfinite} cannot exceed skipped_steps "
+            f"{state.skipped_steps} when every non-finite step is skipped"
+        )
     if config.kind == "dynamic":
         lo, hi = config.bounds
         if not lo <= state.scale <= hi:
-            raise err(f"scale: {scale!r} lies outside [min_scale, max_scale] = [{lo}, {hi}]")
+            raise err(f"scale: {_show(scale)} lies outside [min_scale, max_scale] = [{lo}, {hi}]")
         if state.growth_tracker >= config.growth_interval:
             raise err(
                 f"growth_tracker: {state.growth_tracker} must be below growth_interval {config.growth_interval}"
             )
     else:
         if state.scale != config.first_scale:
-            raise err(f"scale: a {config.kind} scaler's scale is {config.first_scale}, got {scale!r}")
+            raise err(f"scale: a {config.kind} scaler's scale is {config.first_scale}, got {_show(scale)}")
         if state.growth_tracker != 0:
             raise err(f"growth_tracker: a {config.kind} scaler never counts, got {state.growth_tracker}")
     if not config.skip_nonfinite and state.skipped_steps:

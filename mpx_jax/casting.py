@@ -40,7 +40,11 @@ def is_floating_array(x: Any) -> bool:
 
 
 def cast_tree(tree: T, dtype: Any) -> T:
-    """``tree`` with every floating array leaf cast to ``dtype`` (any mpx dtype name or alias)."""
+    """``tree`` with every floating array leaf cast to ``dtype``.
+
+    ``dtype``: an mpx dtype name or alias, or a dtype object: ``jnp.bfloat16`` (a jax.numpy
+    scalar type), ``jnp.dtype(...)``, ``ml_dtypes.bfloat16``, a numpy dtype or scalar type.
+    """
     target = mpx.numpy_dtype(mpx.canonical_dtype(dtype))
 
     def cast(x: Any) -> Any:

@@ -15,14 +15,15 @@ device arrays (a float32 scale, four int32 counters) and its
 
 :meth:`LossScale.update` is a pure function of arrays built from
 ``jnp.where`` and integer arithmetic only (no Python branch on a traced
-value), bit-identical to :func:`mpx.scaler_update` for every config: the
-float32 products are computed exactly (round to nearest even) with integer
-operations, because XLA:CPU flushes subnormal float32 results to zero where
-numpy does not.
+value), bit-identical to :func:`mpx.scaler_update` for every config: each
+product is torch's ``float32(float64(scale) * float64(factor))``, evaluated
+without float64 by :func:`mpx.scaling.product_bits` (int32 operations on the
+scale's bits and the core's exact split of the factor).
 
-The counters are int32: ``steps`` and ``skipped_steps`` wrap after
-2**31 - 1 = 2,147,483,647 updates (68 years at one step a second), and
-``growth_interval`` and ``hysteresis`` must be at most 2**31 - 1.
+The counters are int32 and saturate, as the reference's, at 2**31 - 1 =
+2,147,483,647 (68 years at one step a second); the core bounds
+``growth_interval``, ``hysteresis`` and every loaded counter there, so any
+state dict the core accepts loads here.
 
 >>> import mpx
 >>> ls = LossScale.create(mpx.ScalerConfig(growth_interval=2, min_scale=0.25))
@@ -38,7 +39,6 @@ The counters are int32: ``steps`` and ``skipped_steps`` wrap after
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -48,14 +48,13 @@ import numpy as np
 from jax import lax
 
 import mpx
-from mpx.scaling import ScalerConfig, ScalerState
+from mpx.scaling import INF_BITS, FactorSplit, ScalerConfig, ScalerState, product_bits
 from mpx_jax.casting import is_floating_array
 
 __all__ = ["INT32_MAX", "LossScale", "all_finite", "select_tree"]
 
-#: The largest value an int32 counter holds.
-INT32_MAX = 2**31 - 1
-_INF_BITS = 0x7F800000
+#: The largest value an int32 counter holds (:data:`mpx.COUNTER_MAX`).
+INT32_MAX = mpx.COUNTER_MAX
 
 
 def _bits(value: float) -> int:
@@ -63,61 +62,13 @@ def _bits(value: float) -> int:
     return int(np.float32(value).view(np.int32))
 
 
-def _split(factor: float) -> tuple[int, int]:
-    """``float32(factor) == m * 2**e`` with ``m`` a 24-bit integer."""
-    mant, exp = math.frexp(float(np.float32(factor)))
-    return int(mant * 2**24), exp - 24
+def _product_bits(scale: jax.Array, split: FactorSplit) -> jax.Array:
+    """The int32 bits of ``float32(float64(scale) * factor)`` (0 below 2**-126, +inf's bits on overflow).
 
-
-def _mul_f32(a: jax.Array, factor: float) -> jax.Array:
-    """The int32 bits of ``a * float32(factor)`` rounded to nearest even, subnormals exact.
-
-    ``a`` is a non-negative finite float32 scalar (subnormal or zero allowed),
-    ``factor`` a positive constant.  Overflow gives the bits of +inf.
+    ``scale`` is a normal positive float32 scalar, ``split`` the core's
+    :func:`mpx.scaling.split_factor` of the factor.
     """
-    mb, eb = _split(factor)
-    b1, b0 = mb >> 12, mb & 0xFFF
-    i32 = jnp.int32
-    bits = lax.bitcast_convert_type(a, i32)
-    exp_a = lax.shift_right_logical(bits, i32(23))
-    man_a = bits & i32(0x7FFFFF)
-    ma = jnp.where(exp_a == 0, man_a, man_a | i32(0x800000))
-    e = jnp.where(exp_a == 0, i32(1), exp_a) - i32(150) + i32(eb)
-    # exact 48-bit product ma * mb = hi * 2**24 + lo, from 12-bit limbs
-    a1, a0 = lax.shift_right_logical(ma, i32(12)), ma & i32(0xFFF)
-    t0 = a0 * i32(b0)
-    t1 = a1 * i32(b0) + a0 * i32(b1)
-    t2 = a1 * i32(b1)
-    low = t0 + lax.shift_left(t1 & i32(0xFFF), i32(12))
-    hi = t2 + lax.shift_right_logical(t1, i32(12)) + lax.shift_right_logical(low, i32(24))
-    lo = low & i32(0xFFFFFF)
-    nbits = jnp.where(hi > 0, i32(56) - lax.clz(hi), i32(32) - lax.clz(lo))
-    # keep 24 significant bits, or stop at the subnormal grid 2**-149
-    shift = jnp.maximum(nbits - i32(24), i32(-149) - e)
-    s = jnp.clip(shift, 1, 60)
-    k = s - 1
-    in_lo = s <= 24
-    q = jnp.where(
-        in_lo,
-        lax.shift_left(hi, jnp.clip(24 - s, 0, 31)) | lax.shift_right_logical(lo, jnp.clip(s, 0, 31)),
-        lax.shift_right_logical(hi, jnp.clip(s - 24, 0, 31)),
-    )
-    guard = jnp.where(
-        in_lo,
-        lax.shift_right_logical(lo, jnp.clip(k, 0, 31)) & 1,
-        lax.shift_right_logical(hi, jnp.clip(k - 24, 0, 31)) & 1,
-    )
-    sticky = jnp.where(
-        in_lo,
-        (lo & (lax.shift_left(i32(1), jnp.clip(k, 0, 30)) - 1)) != 0,
-        (lo != 0) | ((hi & (lax.shift_left(i32(1), jnp.clip(k - 24, 0, 30)) - 1)) != 0),
-    )
-    rounded = q + (guard & (sticky.astype(i32) | (q & 1)))
-    r = jnp.where(shift <= 0, lax.shift_left(lo, jnp.clip(-shift, 0, 31)), rounded)
-    top = e + shift + i32(149)
-    field = top + lax.shift_right_logical(r, i32(23))
-    out = jnp.where(field >= 255, i32(_INF_BITS), top * i32(1 << 23) + r)
-    return jnp.where(bits == 0, i32(0), out)
+    return product_bits(lax.bitcast_convert_type(scale, jnp.int32), split, jnp.where)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -144,7 +95,6 @@ class LossScale:
 
         Raises:
             ScalerConfigError: when ``config`` is not an ``mpx.ScalerConfig``.
-            ValueError: when ``growth_interval`` or ``hysteresis`` exceeds int32.
         """
         config = _check_config(config)
         return cls._from_state(config, mpx.scaler_init(config))
@@ -152,8 +102,8 @@ class LossScale:
     @classmethod
     def _from_state(cls, config: ScalerConfig, state: ScalerState) -> LossScale:
         for name in ("growth_tracker", "consecutive_nonfinite", "steps", "skipped_steps"):
-            if getattr(state, name) > INT32_MAX:
-                raise ValueError(
+            if getattr(state, name) > INT32_MAX:  # the core bounds them: unreachable from a state dict
+                raise mpx.StateDictError(
                     f"{name}: {getattr(state, name)} does not fit the int32 counter of LossScale."
                 )
         return cls(
@@ -200,10 +150,14 @@ class LossScale:
 
         return jax.tree_util.tree_map(div, tree)
 
-    def update(self, finite: Any) -> LossScale:
+    def update(self, finite: Any, loss_finite: Any = None) -> LossScale:
         """The loss scale after a step whose gradients were ``finite`` (a bool scalar, traced or not).
 
         Exactly :func:`mpx.scaler_update`, with ``jnp.where`` in place of each branch.
+        ``loss_finite`` (optional bool scalar: was the forward loss finite) is
+        read by stuck detection only (``config.max_consecutive_skips``, which
+        adds a ``jax.debug.callback``, see :mod:`mpx_jax.history`); with the
+        option off nothing is added.
         """
         finite = jnp.asarray(finite)
         if finite.shape != ():
@@ -211,15 +165,20 @@ class LossScale:
         finite = finite.astype(bool)
         cfg = self.config
         i32 = jnp.int32
-        consecutive = jnp.where(finite, i32(0), self.consecutive_nonfinite + 1)
+
+        def bump(counter: jax.Array, by: Any) -> jax.Array:  # + by, saturating at INT32_MAX
+            return counter + jnp.logical_and(by, counter < INT32_MAX).astype(i32)
+
+        consecutive = jnp.where(finite, i32(0), bump(self.consecutive_nonfinite, True))
         skipped = jnp.logical_and(jnp.logical_not(finite), cfg.skip_nonfinite)
         scale, tracker = self.loss_scale, self.growth_tracker
         if cfg.kind == "dynamic":
             lo, hi = cfg.bounds
             sbits = lax.bitcast_convert_type(scale, i32)
-            grown = _mul_f32(scale, cfg.growth_factor)
-            grown = jnp.where(grown < _INF_BITS, jnp.minimum(grown, i32(_bits(hi))), sbits)
-            backed = jnp.maximum(_mul_f32(scale, cfg.backoff_factor), i32(_bits(lo)))
+            grown = _product_bits(scale, cfg.growth_split)
+            grown = jnp.where(grown < INF_BITS, jnp.minimum(grown, i32(_bits(hi))), sbits)
+            # floored at min_scale (2**-126 for None): a result below 2**-126 comes back as 0
+            backed = jnp.maximum(_product_bits(scale, cfg.backoff_split), i32(_bits(lo)))
             counted = tracker + 1
             hit = counted == cfg.growth_interval
             new_bits = jnp.where(
@@ -229,13 +188,17 @@ class LossScale:
             )
             scale = lax.bitcast_convert_type(new_bits, jnp.float32)
             tracker = jnp.where(finite, jnp.where(hit, i32(0), counted), i32(0))
+        if cfg.max_consecutive_skips is not None:
+            from mpx_jax.history import stuck_callback
+
+            stuck_callback(cfg, scale, consecutive, loss_finite)
         return dataclasses.replace(
             self,
             loss_scale=scale,
             growth_tracker=tracker,
             consecutive_nonfinite=consecutive,
-            steps=self.steps + 1,
-            skipped_steps=self.skipped_steps + skipped.astype(i32),
+            steps=bump(self.steps, True),
+            skipped_steps=bump(self.skipped_steps, skipped),
         )
 
     # -- host side ---------------------------------------------------------------
@@ -283,12 +246,7 @@ def _check_config(config: Any) -> ScalerConfig:
         raise mpx.ScalerConfigError(
             f"config: expected an mpx.ScalerConfig or None, got {type(config).__name__}"
         )
-    for name in ("growth_interval", "hysteresis"):
-        if getattr(config, name) > INT32_MAX:
-            raise ValueError(
-                f"{name}: {getattr(config, name)} exceeds the int32 counters of LossScale (at most {INT32_MAX})."
-            )
-    return config
+    return config  # the core bounds growth_interval and hysteresis at INT32_MAX
 
 
 def _at_least_f32(dtype: Any) -> Any:

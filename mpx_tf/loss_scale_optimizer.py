@@ -7,9 +7,12 @@ gradients, ``apply_gradients``, ``inner_optimizer``, ``variables``,
 
 - the state lives in variables (a float32 ``dynamic_scale``, int64 counters),
   so a ``tf.function`` step reads the current scale and never retraces;
-- every float32 product is computed exactly in float64 and rounded once to
-  float32 with integer bit operations for the subnormal range: TensorFlow's
-  kernels flush float32 subnormals to zero, numpy (the reference) does not;
+- every scale product is torch's, ``float32(float64(scale) * float64(factor))``
+  (:func:`mpx.scaling.scale_product`): one float64 product, rounded once to
+  float32 (integer bit operations for the subnormal range, where TensorFlow's
+  kernels flush to zero; the scale is floored at 2**-126 anyway);
+- the finiteness test is on the unscaled gradients, so a gradient that
+  overflows only once divided by a scale below 1 skips the step (as mpx_jax);
 - a skipped step runs no update at all (``tf.cond``, as Keras's own
   ``LossScaleOptimizer`` does), so the model's variables and the inner
   optimizer's (``iterations``, moments) stay bit-identical;
@@ -31,6 +34,7 @@ import tensorflow as tf
 
 import mpx
 from mpx.errors import MPXError, ScalerConfigError
+from mpx_tf.history import HistoryBuffer, LossFlag, check_stuck
 
 __all__ = ["LossScaleOptimizer"]
 
@@ -49,6 +53,65 @@ def _as_config(config: Any) -> mpx.ScalerConfig:
     raise ScalerConfigError(
         f"config: expected an mpx.ScalerConfig, its to_dict() dict or None, got {type(config).__name__}"
     )
+
+
+#: Keras's base-optimizer arguments its LossScaleOptimizer accepts at their defaults only (older
+#: saved configs carry them) and refuses otherwise, advising to set them on the inner optimizer.
+_INNER_ONLY = {
+    "weight_decay": None,
+    "clipnorm": None,
+    "global_clipnorm": None,
+    "clipvalue": None,
+    "use_ema": False,
+    "ema_momentum": 0.99,
+    "ema_overwrite_frequency": None,
+    "loss_scale_factor": None,
+    "gradient_accumulation_steps": None,
+}
+
+
+def _keras_arguments(
+    cfg: mpx.ScalerConfig,
+    initial_scale: float | None,
+    dynamic_growth_steps: int | None,
+    dynamic: Any,
+    kwargs: dict[str, Any],
+) -> mpx.ScalerConfig:
+    """The config after Keras's LossScaleOptimizer arguments; raises for those mpx cannot honour."""
+    if dynamic is not True:
+        raise MPXError(
+            f"dynamic: only True is accepted (Keras 3's LossScaleOptimizer is always dynamic), got {dynamic!r}; "
+            "for a fixed scale pass config=mpx.ScalerConfig(kind='static', init_scale=...)"
+        )
+    for arg, default in _INNER_ONLY.items():
+        if arg in kwargs and kwargs.pop(arg) != default:
+            advice = (
+                " (mpx's scaler then moves once per optimizer step and skips a window with a "
+                "non-finite micro-batch whole)"
+                if arg == "gradient_accumulation_steps"
+                else ""
+            )
+            raise MPXError(
+                f"LossScaleOptimizer does not support `{arg}`. Instead, set `{arg}` on the `inner_optimizer`{advice}."
+            )
+    if kwargs:
+        raise MPXError(
+            f"LossScaleOptimizer: unknown arguments {', '.join(repr(k) for k in kwargs)}; allowed: "
+            "inner_optimizer, config (an mpx.ScalerConfig), name, and Keras's initial_scale, "
+            "dynamic_growth_steps, dynamic=True"
+        )
+    changes: dict[str, Any] = {}
+    if initial_scale is not None:
+        changes["init_scale"] = float(initial_scale)
+    if dynamic_growth_steps is not None:
+        changes["growth_interval"] = dynamic_growth_steps
+    if not changes:
+        return cfg
+    if cfg.kind != "dynamic":
+        raise ScalerConfigError(
+            f"initial_scale / dynamic_growth_steps: they configure a dynamic scaler, but config.kind is {cfg.kind!r}"
+        )
+    return mpx.ScalerConfig.from_dict({**cfg.to_dict(), **changes})
 
 
 # -- exact float32 arithmetic, immune to flush-to-zero -------------------------------
@@ -118,9 +181,13 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         inner_optimizer: keras.optimizers.Optimizer,
         config: mpx.ScalerConfig | Mapping[str, Any] | None = None,
         name: str | None = None,
+        *,
+        initial_scale: float | None = None,
+        dynamic_growth_steps: int | None = None,
+        dynamic: bool = True,
         **kwargs: Any,
     ) -> None:
-        cfg = _as_config(config)
+        cfg = _keras_arguments(_as_config(config), initial_scale, dynamic_growth_steps, dynamic, kwargs)
         if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
             raise MPXError(
                 f"inner_optimizer: expected a keras.optimizers.Optimizer, got {type(inner_optimizer).__name__}"
@@ -128,11 +195,6 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         if isinstance(inner_optimizer, keras.optimizers.LossScaleOptimizer):
             raise MPXError(
                 "inner_optimizer: it is already a LossScaleOptimizer; wrap the plain optimizer once"
-            )
-        if kwargs:
-            raise MPXError(
-                f"LossScaleOptimizer: unknown argument {next(iter(kwargs))!r}; allowed: "
-                "inner_optimizer, config (an mpx.ScalerConfig), name"
             )
         super().__init__(
             inner_optimizer,
@@ -163,6 +225,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self.total_steps = state("steps", "int64")
         self.skipped_steps = state("skipped_steps", "int64")
         self._assign_state(mpx.scaler_init(cfg))
+        self._mpx_extras = _Extras(cfg)  # history and stuck detection (mpx_tf.history); a plain, untracked object
 
     # -- Keras's optimizer API ------------------------------------------------------
     def build(self, var_list: Sequence[Any]) -> None:
@@ -176,6 +239,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         loss = tf.convert_to_tensor(loss)
         if loss.dtype in _HALF:
             loss = tf.cast(loss, tf.float32)
+        if self._mpx_extras.loss_flag is not None:  # stuck detection tells a non-finite loss apart
+            self._mpx_extras.loss_flag.note(loss)
         return loss * tf.cast(self.dynamic_scale.value, loss.dtype)
 
     def apply(self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None = None) -> None:
@@ -214,12 +279,12 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     # -- the step ----------------------------------------------------------------------
     def _unscale(self, grads: list[Any], trainable_variables: Sequence[Any] | None) -> tuple[list[Any], Any]:
-        """(unscaled gradients, bool tensor: all the scaled ones finite) on one replica.
+        """(unscaled gradients, bool tensor: all the unscaled ones finite) on one replica.
 
-        As torch's GradScaler and Keras do, the check is on the scaled gradients.
+        The check is on the unscaled gradients (the ones applied), as mpx_jax's: a
+        scaled gradient that is not finite stays so, and a finite one that
+        overflows when divided by a scale below 1 is caught too.
         """
-        flags = [tf.reduce_all(tf.math.is_finite(_values(g))) for g in grads if g is not None]
-        finite = tf.reduce_all(tf.stack(flags)) if flags else tf.constant(True)
         if self._config.kind != "none":  # a none scale is exactly 1.0: nothing to divide
             variables = trainable_variables if trainable_variables is not None else self._trainable_variables
             scale = self.dynamic_scale.value
@@ -227,6 +292,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 g if g is None or self._overwrite_variable_with_gradient(v) else _divide(g, scale)
                 for g, v in zip(grads, variables, strict=True)
             ]
+        flags = [tf.reduce_all(tf.math.is_finite(_values(g))) for g in grads if g is not None]
+        finite = tf.reduce_all(tf.stack(flags)) if flags else tf.constant(True)
         return grads, finite
 
     def _replica_apply(self, grads: list[Any], trainable_variables: Any) -> None:
@@ -273,33 +340,61 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def _transition(self, finite: Any) -> None:
         """:func:`mpx.scaler_update` on the variables (``finite``: a bool scalar tensor)."""
         cfg = self._config
-        consecutive = tf.where(finite, tf.constant(0, tf.int64), self.consecutive_nonfinite.value + 1)
+        cap = tf.constant(mpx.COUNTER_MAX, tf.int64)  # the counters saturate, as the reference's
+        consecutive = tf.where(finite, tf.constant(0, tf.int64), tf.minimum(self.consecutive_nonfinite.value + 1, cap))
         if cfg.kind == "dynamic":
             lo, hi = cfg.bounds
             scale = self.dynamic_scale.value
             exact = _exact_f64(scale)
             tracker = self.step_counter.value + 1
             at_interval = tf.equal(tracker, cfg.growth_interval)
-            # Growth: float32(scale * growth_factor), kept only when finite, capped at max_scale.
-            with np.errstate(over="ignore"):  # a growth factor past float32's max is inf
-                growth_factor = float(np.float32(cfg.growth_factor))
-            grown_exact = exact * growth_factor
+            # Growth: float32(float64(scale) * growth_factor), kept only when finite, capped at max_scale.
+            grown_exact = exact * cfg.growth_factor  # a float64 product, rounded as torch's kernel
             grown = _round_f32(grown_exact)
             grow = finite & at_interval & tf.math.is_finite(grown)  # before the cap, as the reference
             if hi != float("inf"):
                 grown = tf.where(grown_exact > hi, _f32_constant(hi), grown)
-            # Backoff: float32(scale * backoff_factor), floored at min_scale.
-            backed_exact = exact * float(np.float32(cfg.backoff_factor))
-            backed = _round_f32(backed_exact)
-            if lo > 0.0:
-                backed = tf.where(backed_exact < lo, _f32_constant(lo), backed)
+            # Backoff: float32(float64(scale) * backoff_factor), floored at min_scale (2**-126 for None).
+            backed = _round_f32(exact * cfg.backoff_factor)
+            backed = tf.where(backed < lo, _f32_constant(lo), backed)
             back = tf.logical_not(finite) & (consecutive >= cfg.hysteresis)
             self.dynamic_scale.assign(tf.where(grow, grown, tf.where(back, backed, scale)))
             self.step_counter.assign(tf.where(finite & tf.logical_not(at_interval), tracker, 0))
         self.consecutive_nonfinite.assign(consecutive)
-        self.total_steps.assign_add(1)
+        self.total_steps.assign(tf.minimum(self.total_steps.value + 1, cap))
         if cfg.skip_nonfinite:
-            self.skipped_steps.assign_add(tf.cast(tf.logical_not(finite), tf.int64))
+            skipped = self.skipped_steps.value + tf.cast(tf.logical_not(finite), tf.int64)
+            self.skipped_steps.assign(tf.minimum(skipped, cap))
+        extras = self._mpx_extras
+        if extras.history is not None:
+            extras.history.record(self.dynamic_scale.value, self.step_counter.value, consecutive, self.total_steps.value)
+        if extras.loss_flag is not None and cfg.max_consecutive_skips is not None:
+            check_stuck(cfg, self.dynamic_scale.value, consecutive, extras.loss_flag.take())
+
+    # -- history (mpx_tf.history) ------------------------------------------------------------
+    @property
+    def recording_history(self) -> bool:
+        """Whether :meth:`record_history` is on."""
+        return self._mpx_extras.history is not None
+
+    def record_history(self, enabled: bool = True, *, capacity: int = 65536) -> None:
+        """Start (or with False stop) recording the state after each step into a ring-buffer variable.
+
+        Keeps the last ``capacity`` steps (default 65536); starting again
+        clears the record.  Call it before the training step is traced
+        (``model.fit``: or call ``model.make_train_function(force=True)``).
+        """
+        self._mpx_extras.history = HistoryBuffer(capacity) if enabled else None
+
+    def history(self) -> mpx.ScalerHistory:
+        """The recorded steps as an :class:`mpx.ScalerHistory` (one read of the buffer).
+
+        Raises:
+            MPXError: when :meth:`record_history` was not called.
+        """
+        if self._mpx_extras.history is None:
+            raise MPXError("history: not recording; call optimizer.record_history() before training")
+        return self._mpx_extras.history.read(self._config)
 
     # -- mpx's scaler API ------------------------------------------------------------------
     @property
@@ -339,14 +434,18 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         it (``model.fit``'s cached train function) keeps the old constants, so
         load before training, or call ``model.make_train_function(force=True)``.
 
+        The dict is validated whole by :func:`mpx.load_state_dict` before
+        anything changes (its counters fit the int64 variables).
+
         Raises:
             StateDictError: for a malformed dict.
         """
-        config, state = mpx.load_state_dict(data)
+        config, state = mpx.load_state_dict(data)  # every check first: below, nothing can fail
+        self._assign_state(state)
         self._config = config
+        self._mpx_extras.configure(config)
         self.initial_scale = config.first_scale
         self.dynamic_growth_steps = config.growth_interval
-        self._assign_state(state)
 
     def _assign_state(self, state: mpx.ScalerState) -> None:
         self.dynamic_scale.assign(np.float32(state.scale))
@@ -365,6 +464,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any], custom_objects: Any = None) -> LossScaleOptimizer:
+        """An optimizer from mpx's config or from Keras's (``initial_scale``, ``dynamic_growth_steps``)."""
         config = dict(config)
         inner = keras.saving.deserialize_keras_object(
             config.pop("inner_optimizer"), custom_objects=custom_objects
@@ -376,6 +476,19 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             f"<mpx_tf.LossScaleOptimizer kind={self._config.kind!r} "
             f"inner={type(self.inner_optimizer).__name__} name={self.name!r}>"
         )
+
+
+class _Extras:
+    """The optimizer's optional parts: the history buffer and the loss flag (None when off)."""
+
+    def __init__(self, config: mpx.ScalerConfig) -> None:
+        self.history: HistoryBuffer | None = None
+        self.loss_flag: LossFlag | None = None
+        self.configure(config)
+
+    def configure(self, config: mpx.ScalerConfig) -> None:
+        if config.max_consecutive_skips is not None and self.loss_flag is None:
+            self.loss_flag = LossFlag()
 
 
 def _values(g: Any) -> Any:

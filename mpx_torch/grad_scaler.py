@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import warnings
 from collections import abc, defaultdict
 from collections.abc import Iterable, Mapping
 from enum import Enum
@@ -30,6 +31,7 @@ from typing import Any
 
 import torch
 
+import mpx
 from mpx import (
     MPXError,
     Policy,
@@ -38,16 +40,17 @@ from mpx import (
     ScalerConfigError,
     ScalerState,
     StateDictError,
-    get_policy,
     load_state_dict,
     scaler_init,
     state_dict,
 )
+from mpx.scaling import _finite_float, f32
+from mpx_torch._compile import eager_under_dynamo, make_eager
+from mpx_torch._device_state import DeviceState as _DeviceState
+from mpx_torch._scaler_state import NATIVE_KEYS, as_config, native_to_neutral
+from mpx_torch.history import HistoryBuffer, check_stuck, loss_finite_flag
 
 __all__ = ["GradScaler", "OptState"]
-
-_NATIVE_KEYS = frozenset({"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"})
-_DEVICE_NAMES = ("cpu", "cuda", "mps", "xpu", "hpu", "mtia", "meta", "xla", "privateuseone")
 
 
 class OptState(Enum):
@@ -62,54 +65,6 @@ def _refresh_per_optimizer_state() -> dict[str, Any]:
     return {"stage": OptState.READY, "found_inf_per_device": {}}
 
 
-def _as_config(config: Any) -> ScalerConfig:
-    if config is None:
-        return ScalerConfig()
-    if isinstance(config, ScalerConfig):
-        return config
-    if isinstance(config, str) and config.split(":")[0] in _DEVICE_NAMES:
-        raise PolicyError(
-            f"config: {config!r} is a device, not a scaler config or policy; torch.amp.GradScaler takes the "
-            f"device first, mpx_torch.GradScaler takes it second: GradScaler(device={config!r})"
-        )
-    if isinstance(config, Mapping) and "kind" in config:  # ScalerConfig.to_dict()
-        return ScalerConfig.from_dict(config)
-    if isinstance(config, (Policy, str, Mapping)):
-        return ScalerConfig.for_policy(get_policy(config))
-    raise ScalerConfigError(
-        f"config: expected an mpx.ScalerConfig, a policy (mpx.Policy or spec string) or None, "
-        f"got {type(config).__name__}"
-    )
-
-
-def _native_to_neutral(data: Mapping[str, Any]) -> dict[str, Any]:
-    """A ``torch.amp.GradScaler.state_dict()`` as a neutral dict, with torch's semantics."""
-    err = StateDictError
-    for key in ("scale", "growth_factor", "backoff_factor"):
-        value = data[key]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise err(f"{key}: expected a finite number in a torch.amp.GradScaler state dict, got {value!r}")
-    for key in ("growth_interval", "_growth_tracker"):
-        value = data[key]
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise err(f"{key}: expected an int in a torch.amp.GradScaler state dict, got {value!r}")
-    scale = float(torch.tensor(float(data["scale"]), dtype=torch.float32))  # torch's fill_ rounds to float32
-    try:
-        config = ScalerConfig(
-            kind="dynamic",
-            init_scale=scale,
-            growth_factor=data["growth_factor"],
-            backoff_factor=data["backoff_factor"],
-            growth_interval=data["growth_interval"],
-            min_scale=None,
-            max_scale=None,
-            hysteresis=1,
-        )
-    except ScalerConfigError as e:
-        raise err(f"config: {e}") from None
-    return state_dict(config, ScalerState(scale, growth_tracker=data["_growth_tracker"]))
-
-
 def _has_fresh_state(optimizer: torch.optim.Optimizer) -> bool:
     """Whether some parameter with a gradient has no optimizer state yet (its first step)."""
     state = optimizer.state
@@ -118,93 +73,6 @@ def _has_fresh_state(optimizer: torch.optim.Optimizer) -> bool:
     return any(
         p.grad is not None and p not in state for group in optimizer.param_groups for p in group["params"]
     )
-
-
-_INT32_MAX = 2**31 - 1
-
-
-class _DeviceState:
-    """The scale, the counters and the config's float32 constants, as tensors on one device.
-
-    ``steps`` is counted on the host (every :meth:`GradScaler.update` adds one,
-    whatever the gradients), the rest on the device.
-    """
-
-    #: use ``torch._amp_update_scale_`` (one kernel, as torch's GradScaler) where it is exact:
-    #: a dynamic config with hysteresis 1 (bounds are a clamp after it)
-    use_torch_kernel = hasattr(torch, "_amp_update_scale_")
-
-    def __init__(self, config: ScalerConfig, state: ScalerState, device: torch.device) -> None:
-        self.device = device
-        self.scale = self._full(state.scale, torch.float32)
-        self.consecutive_nonfinite = self._full(state.consecutive_nonfinite, torch.int64)
-        self.skipped_steps = self._full(state.skipped_steps, torch.int64)
-        self.zero = self._full(0, torch.int64)
-        self.steps = state.steps
-        self.growth_tracker = self._full(state.growth_tracker, torch.int64)
-        self.set_config(config)
-
-    def _full(self, value: Any, dtype: torch.dtype) -> torch.Tensor:
-        return torch.full((), value, dtype=dtype, device=self.device)
-
-    def set_config(self, config: ScalerConfig) -> None:
-        lo, hi = config.bounds
-        self.growth_factor = self._full(config.growth_factor, torch.float32)
-        self.backoff_factor = self._full(config.backoff_factor, torch.float32)
-        self.lo, self.hi = self._full(lo, torch.float32), self._full(hi, torch.float32)
-        # the kernel takes the factors as doubles: a float32 value times a float32 value is exact in
-        # double, so its one rounding to float32 equals the float32 product of mpx.scaler_update
-        self.factors = (float(self.growth_factor), float(self.backoff_factor))
-        self.bounded = (lo, hi) != (0.0, math.inf)
-        self.kernel = (
-            self.use_torch_kernel
-            and config.kind == "dynamic"
-            and config.hysteresis == 1
-            and config.growth_interval <= _INT32_MAX
-        )
-        dtype = torch.int32 if self.kernel else torch.int64  # the kernel's tracker is an int32
-        if self.growth_tracker.dtype != dtype:
-            self.growth_tracker = self.growth_tracker.to(dtype)
-
-    def fill(self, state: ScalerState) -> None:
-        self.scale.fill_(state.scale)
-        for name in ("growth_tracker", "consecutive_nonfinite", "skipped_steps"):
-            getattr(self, name).fill_(getattr(state, name))
-        self.steps = state.steps
-
-    def read(self) -> ScalerState:
-        tracker, consecutive, skipped = torch.stack(
-            [self.growth_tracker.to(torch.int64), self.consecutive_nonfinite, self.skipped_steps]
-        ).tolist()
-        return ScalerState(float(self.scale.item()), tracker, consecutive, self.steps, skipped)
-
-    @torch.no_grad()
-    def advance(self, config: ScalerConfig, found_inf: torch.Tensor) -> None:
-        """One step of :func:`mpx.scaler_update` with tensor ops only (``found_inf`` > 0: not finite)."""
-        nonfinite = found_inf > 0
-        self.steps += 1
-        if config.skip_nonfinite:
-            self.skipped_steps.add_(nonfinite)
-        if self.kernel:
-            self.consecutive_nonfinite.add_(1).mul_(nonfinite)
-            torch._amp_update_scale_(
-                self.scale, self.growth_tracker, found_inf, *self.factors, config.growth_interval
-            )
-            if self.bounded:  # growth kept below hi, backoff kept above lo
-                torch.clamp(self.scale, self.lo, self.hi, out=self.scale)
-            return
-        consecutive = torch.where(nonfinite, self.consecutive_nonfinite + 1, self.zero)
-        if config.kind == "dynamic":
-            scale = self.scale
-            tracker = torch.where(nonfinite, self.zero, self.growth_tracker + 1)
-            grow = tracker == config.growth_interval
-            grown = scale * self.growth_factor  # float32 x float32, rounded to float32
-            grown = torch.where(torch.isfinite(grown), torch.minimum(grown, self.hi), scale)
-            backed = torch.maximum(scale * self.backoff_factor, self.lo)
-            back = consecutive >= config.hysteresis  # 0 on finite steps, and hysteresis >= 1
-            scale.copy_(torch.where(grow, grown, torch.where(back, backed, scale)))
-            self.growth_tracker.copy_(torch.where(grow, self.zero, tracker))
-        self.consecutive_nonfinite.copy_(consecutive)
 
 
 class GradScaler:
@@ -253,7 +121,8 @@ class GradScaler:
         *,
         enabled: bool = True,
     ) -> None:
-        self._config = _as_config(config)
+        self._config = as_config(config)
+        make_eager()  # compiled steps call the scaler's methods eagerly (mpx_torch._compile)
         if device is not None:
             try:
                 device = torch.device(device)
@@ -264,6 +133,8 @@ class GradScaler:
         self._host: ScalerState = scaler_init(self._config)
         self._tensors: _DeviceState | None = None
         self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(_refresh_per_optimizer_state)
+        self._history: HistoryBuffer | int | None = None  # an int: the capacity, until the device is known
+        self._loss_finite: torch.Tensor | None = None  # set by scale() only with max_consecutive_skips
 
     # -- properties --------------------------------------------------------------------
     @property
@@ -297,6 +168,7 @@ class GradScaler:
         return self._tensors
 
     # -- the training-loop API ----------------------------------------------------------
+    @eager_under_dynamo  # run eagerly by compiled code, as torch's GradScaler
     def scale(self, outputs: torch.Tensor | Iterable[torch.Tensor]) -> Any:
         """Multiply a tensor (or nested lists/tuples/iterables of tensors) by the current scale.
 
@@ -304,6 +176,8 @@ class GradScaler:
         """
         if self._passthrough():
             return outputs
+        if self._config.max_consecutive_skips is not None:  # stuck detection tells a non-finite loss apart
+            self._loss_finite = loss_finite_flag(outputs)
         if isinstance(outputs, torch.Tensor):
             tensors = self._lazy_init(outputs.device)
             return outputs * tensors.scale.to(device=outputs.device, non_blocking=True)
@@ -328,7 +202,13 @@ class GradScaler:
         inv_scale: torch.Tensor,
         found_inf: torch.Tensor,
         allow_fp16: bool,
+        check_unscaled: bool = False,
     ) -> dict[torch.device, torch.Tensor]:
+        """Unscale in place, recording non-finite values in ``found_inf`` per device (torch's helper).
+
+        ``check_unscaled``: test the unscaled gradients too (a second pass, no sync), for a scale
+        below 1, where dividing a finite gradient by it can overflow.
+        """
         per_device_inv: dict[torch.device, torch.Tensor] = {}
         per_device_found: dict[torch.device, torch.Tensor] = {}
         grads: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(
@@ -361,14 +241,22 @@ class GradScaler:
                     torch._amp_foreach_non_finite_check_and_unscale_(
                         group_grads, per_device_found[device], per_device_inv[device]
                     )
+                    if check_unscaled:  # times 1: a check only
+                        one = torch.ones_like(per_device_inv[device])
+                        torch._amp_foreach_non_finite_check_and_unscale_(
+                            group_grads, per_device_found[device], one
+                        )
         return per_device_found
 
+    @eager_under_dynamo
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the optimizer's gradients by the scale, in place, and record whether they are finite.
 
         Optional: :meth:`step` unscales when this was not called.  Call it
         once per optimizer per iteration, after the last backward, e.g. to
-        clip gradients.  No host sync.
+        clip gradients.  No host sync.  When the config lets the scale drop
+        below 1, the unscaled gradients are tested too (a gradient that
+        overflows only once unscaled makes the step non-finite, as in mpx_jax).
 
         Raises:
             RuntimeError: when called twice since the last :meth:`update`, or after :meth:`step`.
@@ -388,7 +276,11 @@ class GradScaler:
         inv_scale = tensors.scale.double().reciprocal().float()
         found_inf = torch.zeros((), dtype=torch.float32, device=tensors.device)
         optimizer_state["found_inf_per_device"] = self._unscale_grads_(
-            optimizer, inv_scale, found_inf, allow_fp16=self._config.kind == "none"
+            optimizer,
+            inv_scale,
+            found_inf,
+            allow_fp16=self._config.kind == "none",
+            check_unscaled=self._config.scale_can_drop_below_one,
         )
         optimizer_state["stage"] = OptState.UNSCALED
 
@@ -400,6 +292,11 @@ class GradScaler:
         self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = found
         return found
 
+    def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
+        """The found-inf flags recorded for ``optimizer`` (torch's helper for ``grad_scaler=`` optimizers)."""
+        return self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+
+    @eager_under_dynamo(recursive=False)  # the optimizer's step compiles, as under torch's GradScaler
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale (unless :meth:`unscale_` was called) and step ``optimizer`` when the gradients are finite.
 
@@ -422,12 +319,24 @@ class GradScaler:
 
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             if "grad_scaler" in inspect.signature(optimizer.step).parameters:
-                raise RuntimeError(
-                    "optimizer.step() takes a grad_scaler argument, the protocol torch is retiring; "
-                    "mpx_torch.GradScaler supports the grad_scale/found_inf attributes only."
+                # torch's older protocol: the optimizer gets the scaler and does its own unscaling,
+                # checks and skipping (with _check_inf_per_device, _found_inf_per_device, unscale_)
+                warnings.warn(
+                    "GradScaler is going to stop passing itself as a keyword argument to the passed "
+                    "optimizer. In the near future GradScaler registers `grad_scale: Tensor` and "
+                    "`found_inf: Tensor` to the passed optimizer and let the optimizer use them directly.",
+                    FutureWarning,
+                    stacklevel=2,
                 )
+                retval = optimizer.step(*args, **{**kwargs, "grad_scaler": self})
+                optimizer_state["stage"] = OptState.STEPPED
+                return retval
             if optimizer_state["stage"] is OptState.READY:
-                self._check_inf_per_device(optimizer)
+                if self._config.scale_can_drop_below_one:
+                    # the fused kernel would unscale unchecked: unscale (and check) here instead
+                    self.unscale_(optimizer)
+                else:
+                    self._check_inf_per_device(optimizer)
             found_inf = sum(
                 t.to(tensors.device, non_blocking=True)
                 for t in optimizer_state["found_inf_per_device"].values()
@@ -467,6 +376,7 @@ class GradScaler:
         optimizer_state["stage"] = OptState.STEPPED
         return retval
 
+    @eager_under_dynamo
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Advance the state machine by one step (call once per iteration, after every :meth:`step`).
 
@@ -490,7 +400,8 @@ class GradScaler:
                     )
                 tensors.scale.copy_(new_scale.reshape(()))
             else:
-                value = float(torch.tensor(float(new_scale), dtype=torch.float32))
+                finite = _finite_float(new_scale)
+                value = math.nan if finite is None else f32(finite)
                 lo, hi = self._config.bounds
                 if self._config.kind != "dynamic":
                     raise ScalerConfigError(
@@ -511,9 +422,43 @@ class GradScaler:
                 raise AssertionError("No inf checks were recorded prior to update.")
             combined = found_infs[0] if len(found_infs) == 1 else torch.stack(found_infs).sum()
             tensors.advance(self._config, combined)
+            if self._history is not None:
+                if not isinstance(self._history, HistoryBuffer):
+                    self._history = HistoryBuffer(self._history, tensors.device)
+                self._history.record(tensors)
+            if self._config.max_consecutive_skips is not None:
+                loss_finite, self._loss_finite = self._loss_finite, None
+                check_stuck(self._config, tensors, loss_finite)
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
 
+    # -- history (mpx_torch.history) ------------------------------------------------------
+    def record_history(self, enabled: bool = True, *, capacity: int = 65536) -> None:
+        """Start (or with False stop) recording the state after each :meth:`update`, on device.
+
+        Keeps the last ``capacity`` steps (default 65536; ``capacity x 3`` int64
+        on the device); starting again clears what was recorded.  No host sync.
+        """
+        if not enabled:
+            self._history = None
+        else:
+            self._history = HistoryBuffer.check(capacity)
+            if self._tensors is not None:
+                self._history = HistoryBuffer(capacity, self._tensors.device)
+
+    def history(self) -> mpx.ScalerHistory:
+        """The recorded steps as an :class:`mpx.ScalerHistory` (one device-to-host transfer).
+
+        Raises:
+            mpx.MPXError: when :meth:`record_history` was not called.
+        """
+        if self._history is None:
+            raise MPXError("history: not recording; call scaler.record_history() before training")
+        if isinstance(self._history, int):
+            return mpx.ScalerHistory(self._config)
+        return self._history.read(self._config)
+
     # -- queries -----------------------------------------------------------------------
+    @eager_under_dynamo
     def get_scale(self) -> float:
         """The current scale as a Python float (a host sync); 1.0 for a pass-through scaler."""
         if self._passthrough():
@@ -558,13 +503,20 @@ class GradScaler:
         self._set_config(dataclasses.replace(self._config, growth_interval=new_interval), state)
 
     # -- state dicts ----------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
+    @eager_under_dynamo
+    def state_dict(self, *, neutral: bool = False) -> dict[str, Any]:
         """The neutral JSON-safe state dict (``mpx.scaler/1``, via :func:`mpx.state_dict`); a host sync.
 
-        ``mpx.LossScaler`` and every mpx backend load it.  Call it after :meth:`update`.
+        ``mpx.LossScaler`` and every mpx backend load it.  Call it after
+        :meth:`update`.  As torch's, a scaler made with ``enabled=False``
+        returns ``{}``; ``neutral=True`` returns the neutral dict whatever
+        ``enabled`` is.
         """
+        if not self._enabled and not neutral:
+            return {}
         return state_dict(self._config, self.state)
 
+    @eager_under_dynamo
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore config and state from a neutral dict, or from a ``torch.amp.GradScaler`` state dict.
 
@@ -574,22 +526,27 @@ class GradScaler:
         ``growth_interval``, ``_growth_tracker``) keeps torch's semantics: it
         becomes a dynamic config with ``min_scale=None``, ``max_scale=None``,
         ``hysteresis=1`` and ``init_scale`` set to the saved scale (as torch
-        does), the scale rounded to float32 and the step counters at 0.  On
-        error nothing changes.
+        does), the scale rounded to float32 (and raised to 2**-126 if below),
+        ``steps`` set to the growth tracker and ``skipped_steps`` to 0.  An
+        empty dict (what a disabled scaler saves) is a no-op for a scaler made
+        with ``enabled=False``, as in torch.  The dict is validated whole
+        before anything changes: on error nothing changes.
 
         Raises:
             mpx.StateDictError: for a malformed dict of either form, or an
-                empty one (saved from a disabled torch GradScaler).
+                empty one loaded into an enabled scaler.
         """
         if isinstance(state_dict, Mapping) and "format" not in state_dict:
             if len(state_dict) == 0:
+                if not self._enabled:
+                    return
                 raise StateDictError(
                     "state dict: the source state dict is empty, possibly because it was saved from a "
-                    "disabled torch.amp.GradScaler; nothing to load"
+                    "disabled GradScaler; nothing to load"
                 )
-            if set(state_dict) == _NATIVE_KEYS:
-                state_dict = _native_to_neutral(state_dict)
-        config, state = load_state_dict(state_dict)
+            if set(state_dict) == NATIVE_KEYS:
+                state_dict = native_to_neutral(state_dict)
+        config, state = load_state_dict(state_dict)  # every check first: below, nothing can fail
         self._set_config(config, state)
 
     def __repr__(self) -> str:

@@ -1,6 +1,7 @@
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -294,3 +295,21 @@ def test_arbitrary_text_parses_or_raises_policy_error(text):
         assert str(err)
     else:
         assert get_policy(str(p)) == p
+
+
+# -- issue #13 item 6 ------------------------------------------------------------------
+def test_deeply_nested_policy_dict_raises_policy_error():
+    base = {"param_dtype": "float32", "compute_dtype": "bfloat16", "output_dtype": "float32"}
+    spec = dict(base)
+    inner = spec
+    for _ in range(1000):
+        inner["overrides"] = [{"selector": "a", "policy": dict(base)}]
+        inner = inner["overrides"][0]["policy"]
+    with pytest.raises(mpx.PolicyError, match="^override 'a': an override's policy cannot have overrides"):
+        mpx.get_policy(spec)
+
+
+@pytest.mark.parametrize("bad", [np.array([1, 2]), np.array(["softmax"]), 3, None, b"loss"])
+def test_keep_fp32_items_that_are_not_names_raise_policy_error(bad):
+    with pytest.raises(mpx.PolicyError, match="^keep_fp32: unknown category"):
+        mpx.Policy("float32", "float16", "float32", keep_fp32=[bad])

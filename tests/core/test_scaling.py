@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import math
 
@@ -101,15 +102,21 @@ def test_dynamic_without_skipping_still_backs_off():
     assert [s.scale for s in states] == [4.0, 2.0] and states[-1].skipped_steps == 0
 
 
-def test_float32_rounding_of_products():
+def test_products_follow_torch_float64_rule():
     # init 1 + 2**-23; times 1.5 is 1.5 + 1.5 ulp(1.5): a tie, rounded to even, 1.5 + 2 ulp.
     c = ScalerConfig(init_scale=1.0 + 2.0**-23, growth_factor=1.5, growth_interval=1)
     assert scales(c, [T]) == [1.5 + 2.0**-22]
-    assert 1.5 * (1.0 + 2.0**-23) != 1.5 + 2.0**-22  # float64 arithmetic would differ
-    # A factor that is not a float32 number acts as its float32 value.
-    c = ScalerConfig(init_scale=3.0, backoff_factor=0.3, min_scale=None)
-    expected = float(np.float32(3.0 * float(np.float32(0.3))))
-    assert scales(c, [F]) == [expected] and expected != 3.0 * 0.3
+    # The factor acts as its float64 value (issue #13 item 9: torch gives 2.700000047683716).
+    c = ScalerConfig(init_scale=3.0, backoff_factor=0.9, min_scale=None)
+    assert scales(c, [F]) == [2.700000047683716]
+    assert float(np.float32(3.0 * float(np.float32(0.9)))) == 2.6999998092651367  # the old rule
+    # Double rounding, as float64 then float32: 3 * f is exactly 4 + 2**-22 + 2**-53 (just above a
+    # float32 tie, so one rounding gives 4 + 2**-21), but the float64 product is the tie, which
+    # rounds to even: 4.0.
+    f = 1.333333412806193
+    assert mpx.scaling.scale_product(3.0, f) == 4.0
+    c = ScalerConfig(init_scale=3.0, growth_factor=f, growth_interval=1, max_scale=None)
+    assert scales(c, [T]) == [4.0]
     # Every scale is a float32 value.
     c = ScalerConfig(init_scale=1.0, growth_factor=1.5, growth_interval=1, max_scale=None)
     for s in scales(c, [T] * 60):
@@ -126,7 +133,20 @@ def test_init_scale_is_rounded_to_float32():
         ({"kind": "adaptive"}, "kind"),
         ({"growth_factor": 1.0}, "growth_factor"),
         ({"growth_factor": 0.5}, "growth_factor"),
-        ({"growth_factor": 1 + 1e-9}, "growth_factor"),  # 1.0 as a float32
+        ({"growth_factor": 3.5e38}, "growth_factor"),  # issue #13 item 4
+        ({"growth_factor": 2.0**32 + 2**11}, "growth_factor"),
+        ({"backoff_factor": 2.0**-33}, "backoff_factor"),
+        ({"growth_interval": 2**70}, "growth_interval"),
+        ({"growth_interval": 2**31}, "growth_interval"),
+        ({"hysteresis": 2**31}, "hysteresis"),
+        ({"init_scale": 10**400}, "init_scale"),  # issue #13 item 3
+        ({"init_scale": 10**5000}, "init_scale"),  # its repr raises ValueError
+        ({"max_scale": 10**400}, "max_scale"),
+        ({"min_scale": -(10**400)}, "min_scale"),
+        ({"growth_factor": 10**400}, "growth_factor"),
+        ({"backoff_factor": np.array([0.5])}, "backoff_factor"),
+        ({"min_scale": 2.0**-127, "init_scale": 1.0}, "min_scale"),  # below the smallest normal
+        ({"init_scale": 2.0**-130, "min_scale": None}, "init_scale"),
         ({"backoff_factor": 1.0}, "backoff_factor"),
         ({"backoff_factor": 0.0}, "backoff_factor"),
         ({"backoff_factor": -0.5}, "backoff_factor"),
@@ -232,6 +252,21 @@ TAMPERED = [
     (lambda d: d["config"].update(kind="auto"), "config: kind"),
     (lambda d: d["config"].update(colour="red"), "config: config: unknown key 'colour'"),
     (lambda d: d.update(config="dynamic"), "config: config: expected a mapping"),
+    # issue #13 items 2, 3, 6
+    (lambda d: d.update(steps=2**64), r"steps: expected an int in \[0, 2\*\*31 - 1\], got an int of 65 bits"),
+    (lambda d: d.update(skipped_steps=2**31), r"skipped_steps: expected an int in \[0, 2\*\*31 - 1\]"),
+    (lambda d: d.update(scale=10**400), "scale: expected a finite positive number, got an int of 1329 bits"),
+    (lambda d: d.update(scale=-(10**5000)), "scale: expected a finite positive"),
+    (lambda d: d.update(scale=2.0**-127), "scale: expected|outside|below"),
+    (lambda d: d.update(format=np.array(["mpx.scaler/1"])), "format: expected"),
+    (lambda d: d["config"].update(init_scale=10**400), "config: init_scale: expected a finite number"),
+    (lambda d: d["config"].update(growth_interval=2**70), "config: growth_interval"),
+    (lambda d: d.update(growth_tracker=2, steps=1, skipped_steps=1), "growth_tracker: 2 cannot exceed steps 1"),
+    (lambda d: d.update(consecutive_nonfinite=1), "both cannot be positive"),
+    (
+        lambda d: d.update(growth_tracker=0, consecutive_nonfinite=2),
+        "consecutive_nonfinite: 2 cannot exceed skipped_steps 1",
+    ),
 ]
 
 
@@ -284,6 +319,7 @@ def configs(draw):
 def reference(config, flags):
     """The DESIGN pseudo-code written out independently, products in float64 rounded once."""
     f32 = lambda x: float(np.float32(x))  # noqa: E731
+    tiny = float(np.finfo(np.float32).smallest_normal)
     scale = config.first_scale
     tracker = consecutive = skipped = 0
     out = []
@@ -294,15 +330,15 @@ def reference(config, flags):
             if finite:
                 tracker += 1
                 if tracker == config.growth_interval:
-                    grown = f32(scale * f32(config.growth_factor))
+                    grown = f32(scale * config.growth_factor)
                     if math.isfinite(grown):
                         scale = grown if config.max_scale is None else min(grown, f32(config.max_scale))
                     tracker = 0
             else:
                 tracker = 0
                 if consecutive >= config.hysteresis:
-                    shrunk = f32(scale * f32(config.backoff_factor))
-                    scale = shrunk if config.min_scale is None else max(shrunk, f32(config.min_scale))
+                    shrunk = f32(scale * config.backoff_factor)
+                    scale = max(shrunk, tiny if config.min_scale is None else f32(config.min_scale))
         out.append((scale, tracker, consecutive, skipped))
     return out
 
@@ -346,3 +382,126 @@ def test_state_dict_round_trip_mid_sequence_continues_identically(config, first,
     for f in rest:
         b.update(f)
     assert b.state == straight.state and b.config == config
+
+
+# -- issue #13 -------------------------------------------------------------------------
+def test_scale_never_reaches_zero_and_round_trips():
+    c = ScalerConfig(min_scale=None)
+    states = trace(c, [F] * 300)
+    assert states[165].scale == mpx.SCALE_FLOOR == 2.0**-126  # 166 skips went to 0.0 before
+    assert all(s.scale >= 2.0**-126 for s in states) and states[-1].scale == 2.0**-126
+    scaler = LossScaler.from_state_dict(json.loads(json.dumps(LossScaler(c).state_dict())))
+    scaler.load_state_dict(mpx.state_dict(c, states[-1]))
+    assert scaler.state == states[-1]
+    assert scaler.update(True) is False and scaler.scale == 2.0**-126  # and training goes on
+    assert c.bounds == (2.0**-126, 2.0**24)
+
+
+def test_counters_saturate_at_int32_max():
+    m = mpx.COUNTER_MAX
+    assert m == 2**31 - 1
+    c = ScalerConfig(kind="static", init_scale=2.0)
+    s = ScalerState(2.0, 0, m - 1, m - 1, m - 1)
+    s = mpx.scaler_update(c, s, False)
+    assert (s.steps, s.skipped_steps, s.consecutive_nonfinite) == (m, m, m)
+    s = mpx.scaler_update(c, s, False)
+    assert (s.steps, s.skipped_steps, s.consecutive_nonfinite) == (m, m, m)
+    assert mpx.load_state_dict(mpx.state_dict(c, s))[1] == s
+    c = ScalerConfig(growth_interval=m, hysteresis=m)  # the largest intervals are accepted
+    assert mpx.scaler_update(c, mpx.scaler_init(c), False).scale == c.first_scale
+
+
+def test_scale_can_drop_below_one():
+    assert not ScalerConfig().scale_can_drop_below_one
+    assert ScalerConfig(min_scale=None).scale_can_drop_below_one
+    assert ScalerConfig(init_scale=0.25, min_scale=0.25).scale_can_drop_below_one
+    assert ScalerConfig(kind="static", init_scale=0.5, min_scale=None).scale_can_drop_below_one
+    assert not ScalerConfig(kind="none", init_scale=0.5, min_scale=None).scale_can_drop_below_one
+
+
+FACTORS = st.one_of(
+    st.floats(1.0, 2.0**32, exclude_min=True),
+    st.floats(2.0**-32, 1.0, exclude_max=True),
+    st.sampled_from([0.9, 1.1, 0.8, 0.3, 1.333333412806193, 2.0, 0.5]),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(FACTORS, st.lists(st.integers(0x00800000, 0x7F7FFFFF), min_size=1, max_size=64))
+def test_product_bits_equals_the_float64_rule(factor, scale_bits):
+    bits = np.array(scale_bits, dtype=np.int32)
+    got = mpx.scaling.product_bits(bits, mpx.scaling.split_factor(factor), np.where)
+    for b, g in zip(bits, got, strict=True):
+        want = mpx.scaling.scale_product(float(b.view(np.float32)), factor)
+        if want < 2.0**-126:
+            assert g == 0
+        else:
+            assert np.int32(g).view(np.float32) == np.float32(want)
+
+
+def test_product_bits_double_rounding_case():
+    three = np.array([np.float32(3.0).view(np.int32)])
+    got = mpx.scaling.product_bits(three, mpx.scaling.split_factor(1.333333412806193), np.where)
+    assert got.view(np.float32)[0] == 4.0  # not 4 + 2**-21, the once-rounded exact product
+
+
+_MUTATIONS = st.sampled_from(
+    ["scale", "growth_tracker", "consecutive_nonfinite", "steps", "skipped_steps", "format"]
+)
+_VALUES = st.one_of(
+    st.integers(-(2**70), 2**70),
+    st.integers(0, 12),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([10**400, None, "1", True, [], 2.0**-126, 2.0**-149, 0.5, 8.0, 16.0]),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.tuples(_MUTATIONS, _VALUES), min_size=1, max_size=4))
+def test_state_dict_mutations_load_or_raise_state_dict_error(mutations):
+    d = _good()
+    for key, value in mutations:
+        d[key] = value
+    scaler = LossScaler(ScalerConfig(init_scale=2.0))
+    before = (scaler.config, scaler.state)
+    try:
+        scaler.load_state_dict(d)
+    except StateDictError:
+        assert (scaler.config, scaler.state) == before
+        return
+    # accepted: a state the machine can go on from, that round-trips, and that counts sanely
+    st_ = scaler.state
+    assert scaler.state_dict() == {**d, "scale": float(d["scale"])}
+    assert st_.growth_tracker <= st_.steps and st_.skipped_steps <= st_.steps
+    assert not (st_.growth_tracker and st_.consecutive_nonfinite)
+    scaler.update(False)
+    LossScaler.from_state_dict(scaler.state_dict())
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "init_scale": _VALUES,
+            "growth_factor": _VALUES,
+            "backoff_factor": _VALUES,
+            "growth_interval": _VALUES,
+            "min_scale": _VALUES,
+            "max_scale": _VALUES,
+            "hysteresis": _VALUES,
+        },
+    )
+)
+def test_configs_either_run_or_raise_scaler_config_error(kwargs):
+    try:
+        c = ScalerConfig(**kwargs)
+    except ScalerConfigError as e:
+        names = {f.name for f in dataclasses.fields(ScalerConfig)}
+        assert str(e).split(":")[0] in names and " an int of " not in str(e).split(":")[0]
+        return
+    s = mpx.scaler_init(c)
+    for finite in (True, False, True):
+        s = mpx.scaler_update(c, s, finite)
+    assert c.bounds[0] <= s.scale <= c.bounds[1]
+    assert mpx.load_state_dict(json.loads(json.dumps(mpx.state_dict(c, s)))) == (c, s)

@@ -68,3 +68,35 @@ def test_same_dtype_is_identity_and_bad_dtype_raises():
         cast_tree({"x": x}, "int8")
     with pytest.raises(mpx.PolicyError):
         cast_to_compute("mixed_float17", {"x": x})
+
+
+# -- issue #13 item 7: every framework's dtype objects ---------------------------------------------
+@pytest.mark.parametrize(
+    "dtype, name",
+    [
+        (jnp.bfloat16, "bfloat16"),
+        (jnp.float16, "float16"),
+        (jnp.float32, "float32"),
+        (jnp.dtype("bfloat16"), "bfloat16"),
+        (jnp.dtype(jnp.float16), "float16"),
+        (ml_dtypes.bfloat16, "bfloat16"),
+        (np.dtype(ml_dtypes.bfloat16), "bfloat16"),
+        (np.float16, "float16"),
+    ],
+)
+def test_jax_dtype_objects_are_accepted(dtype, name):
+    tree = {"w": jnp.ones(3, jnp.float32), "n": jnp.arange(2)}
+    out = cast_tree(tree, dtype)
+    assert out["w"].dtype == jnp.dtype(name) and out["n"].dtype == tree["n"].dtype
+    assert mpx.canonical_dtype(dtype) == name
+
+
+def test_policy_from_jnp_scalar_types():
+    policy = mpx.Policy(jnp.float32, jnp.bfloat16, jnp.float32)
+    assert policy == mpx.get_policy("mixed_bfloat16")
+
+
+@pytest.mark.parametrize("bad", [jnp.int8, jnp.ones(2), jnp.complex64, jnp.float8_e4m3fn])
+def test_non_policy_jax_dtypes_raise_dtype_error_naming_the_field(bad):
+    with pytest.raises(mpx.DTypeError, match="^compute: "):
+        mpx.canonical_dtype(bad, field="compute")

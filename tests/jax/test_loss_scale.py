@@ -9,8 +9,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import mpx
+from mpx.scaling import split_factor
 from mpx_jax import LossScale, all_finite, select_tree
-from mpx_jax.loss_scale import INT32_MAX, _mul_f32
+from mpx_jax.loss_scale import INT32_MAX, _product_bits
 
 F32_MAX = float(np.finfo(np.float32).max)
 
@@ -19,37 +20,42 @@ def f32_bits(x):
     return np.asarray(x, np.float32).view(np.int32)
 
 
-# -- the exact float32 product -------------------------------------------------------
-nonneg_f32 = st.integers(0, 0x7F7FFFFF).map(lambda b: float(np.int32(b).view(np.float32)))
+# -- the float64 product rule without float64 --------------------------------------------
+normal_f32 = st.integers(0x00800000, 0x7F7FFFFF).map(lambda b: float(np.int32(b).view(np.float32)))
 factor = st.one_of(
-    st.sampled_from([0.5, 2.0, 0.25, 3.0, 1.5, 0.999, 1.0001, 0.1]),
-    st.integers(1, 0x7F7FFFFF).map(lambda b: float(np.int32(b).view(np.float32))),
+    st.sampled_from([0.5, 2.0, 0.25, 3.0, 1.5, 0.999, 1.0001, 0.1, 0.9, 1.1, 0.8, 1.333333412806193]),
+    st.floats(1.0, 2.0**32, exclude_min=True),
+    st.floats(2.0**-32, 1.0, exclude_max=True),
 )
 
 
+def _rule_bits(a, f):
+    """mpx.scale_product's bits, 0 below 2**-126 (where the scale is floored anyway)."""
+    v = mpx.scaling.scale_product(a, f)
+    return 0 if v < 2.0**-126 else int(f32_bits(v))
+
+
 @settings(max_examples=50, deadline=None)
-@given(a=st.lists(nonneg_f32, min_size=64, max_size=64), b=factor)
-def test_mul_f32_matches_numpy_bit_for_bit(a, b):
-    a = np.asarray(a, np.float32)
-    with np.errstate(over="ignore"):
-        expected = (a * np.float32(b)).view(np.int32)
-    got = jax.jit(jax.vmap(_mul_f32, in_axes=(0, None)), static_argnums=1)(jnp.asarray(a), b)
-    np.testing.assert_array_equal(np.asarray(got), expected)
+@given(a=st.lists(normal_f32, min_size=64, max_size=64), b=factor)
+def test_product_matches_the_float64_rule_bit_for_bit(a, b):
+    # item 9: float32(float64(scale) * float64(factor)), as torch's kernel, from int32 ops on device
+    expected = [_rule_bits(x, b) for x in a]
+    run = jax.jit(jax.vmap(_product_bits, in_axes=(0, None)), static_argnums=1)
+    got = run(jnp.asarray(a, jnp.float32), split_factor(b))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(expected, np.int32))
 
 
-def test_xla_cpu_flushes_subnormals_which_is_why_mul_is_integer():
-    # documents the platform fact the integer product works around
-    tiny = jnp.float32(1e-40)
-    flushed = jax.jit(lambda a: a * jnp.float32(0.5))(tiny)
-    got = jax.jit(_mul_f32, static_argnums=1)(tiny, 0.5)
-    assert int(got) == int(f32_bits(np.float32(1e-40) * np.float32(0.5)))
-    assert float(flushed) in (0.0, float(np.float32(1e-40) * np.float32(0.5)))
+def test_issue_examples():
+    run = jax.jit(_product_bits, static_argnums=1)
+    assert int(run(jnp.float32(3.0), split_factor(0.9))) == int(f32_bits(2.700000047683716))
+    # the float64 product 4 + 2**-22 is a float32 tie (rounded to even: 4.0); the exact one is above it
+    assert int(run(jnp.float32(3.0), split_factor(1.333333412806193))) == int(f32_bits(4.0))
 
 
 # -- traces against mpx.scaler_update -------------------------------------------------------
 positive = st.one_of(
-    st.sampled_from([1.0, 2.0**16, 2.0**24, 0.5, 1e-3, 1e-38, 1e-44, F32_MAX, 3e38]),
-    st.floats(1e-45, F32_MAX, allow_nan=False, allow_infinity=False),
+    st.sampled_from([1.0, 2.0**16, 2.0**24, 0.5, 1e-3, 1.2e-38, 2.0**-126, F32_MAX, 3e38]),
+    st.floats(2.0**-126, F32_MAX, allow_nan=False, allow_infinity=False),
 )
 
 
@@ -63,8 +69,8 @@ def configs(draw):
     kw = dict(
         kind=kind,
         init_scale=init,
-        growth_factor=draw(st.sampled_from([2.0, 1.5, 3.0, 1.0001, 1e10])),
-        backoff_factor=draw(st.sampled_from([0.5, 0.25, 0.9, 1e-3, 1e-20])),
+        growth_factor=draw(st.one_of(st.sampled_from([2.0, 1.5, 3.0, 1.0001, 1.1, 1e9]), st.floats(1.0, 2.0**32))),
+        backoff_factor=draw(st.one_of(st.sampled_from([0.5, 0.25, 0.9, 1e-3, 0.8]), st.floats(2.0**-32, 1.0))),
         growth_interval=draw(st.integers(1, 4)),
         min_scale=min_scale,
         max_scale=max_scale,
@@ -105,15 +111,18 @@ def test_trace_is_bit_identical_to_reference(config, flags):
         assert int(trace.skipped_steps[i]) == state.skipped_steps
 
 
-def test_subnormal_scales_follow_reference_without_floor():
-    config = mpx.ScalerConfig(init_scale=1e-37, min_scale=None, max_scale=None, growth_interval=3)
-    flags = [False] * 30 + [True] * 9 + [False] * 5
+def test_scale_is_floored_at_the_smallest_normal_without_min_scale():
+    # item 5: 166 non-finite steps took the scale to 0.0; it stops at 2**-126 and grows back
+    config = mpx.ScalerConfig(min_scale=None, max_scale=None, growth_interval=3, backoff_factor=0.3)
+    flags = [False] * 170 + [True] * 9 + [False] * 5
     trace = device_trace(config, flags)
     state = mpx.scaler_init(config)
     for i, finite in enumerate(flags):
         state = mpx.scaler_update(config, state, finite)
         assert int(f32_bits(trace.loss_scale[i])) == int(f32_bits(state.scale)), i
-    assert 0 < state.scale < 1.1754944e-38 or state.scale == 0.0
+    assert float(trace.loss_scale[169]) == 2.0**-126 == state.scale
+    final = LossScale.from_state_dict(json.loads(json.dumps(mpx.state_dict(config, state))))
+    assert final.state == state
 
 
 def test_eager_update_matches_and_accepts_python_and_array_flags():
@@ -201,9 +210,9 @@ def test_state_dict_errors():
         LossScale.from_state_dict({**d, "scale": -1.0})
     with pytest.raises(mpx.StateDictError):
         LossScale.from_state_dict({**d, "format": "jmp"})
-    with pytest.raises(ValueError, match="int32"):
+    with pytest.raises(mpx.StateDictError, match=r"^steps: expected an int in \[0, 2\*\*31 - 1\]"):
         LossScale.from_state_dict({**d, "steps": INT32_MAX + 1})
-    with pytest.raises(ValueError, match="int32"):
+    with pytest.raises(mpx.ScalerConfigError, match="^growth_interval: "):
         LossScale.create(mpx.ScalerConfig(growth_interval=2**31))
     with pytest.raises(mpx.ScalerConfigError, match="config"):
         LossScale.create({"kind": "dynamic"})
@@ -240,3 +249,82 @@ def test_all_finite_and_select_tree():
         select_tree(jnp.asarray(True), {"x": jnp.ones(2)}, {"x": jnp.ones(2, jnp.bfloat16)})
     with pytest.raises(ValueError, match="boolean scalar"):
         select_tree(jnp.ones(2, bool), a, b)
+
+
+# -- issue #13 -------------------------------------------------------------------------
+def test_every_state_the_core_accepts_loads_and_saturates():
+    # item 2: a long torch run (counters up to 2**31 - 1) resumes here; counters saturate as the core's
+    m = INT32_MAX
+    config = mpx.ScalerConfig(kind="static", init_scale=2.0)
+    state = mpx.ScalerState(2.0, 0, m - 1, m - 1, m - 1)
+    ls = LossScale.from_state_dict(mpx.state_dict(config, state))
+    for _ in range(2):
+        ls = jax.jit(lambda ls: ls.update(False))(ls)
+        state = mpx.scaler_update(config, state, False)
+        assert ls.state == state
+    assert state.steps == m
+
+
+_FIELDS = st.sampled_from(["scale", "growth_tracker", "consecutive_nonfinite", "steps", "skipped_steps"])
+_VALUES = st.one_of(
+    st.integers(-(2**70), 2**70),
+    st.integers(0, 6),
+    st.floats(allow_nan=True),
+    st.sampled_from([10**400, 2.0**-126, 0.5, 8.0, 2**31 - 1, 2**31]),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(_FIELDS, _VALUES), min_size=1, max_size=3))
+def test_state_dict_mutations_load_exactly_when_the_core_accepts(mutations):
+    src = mpx.LossScaler(mpx.ScalerConfig(init_scale=8.0, growth_interval=4, min_scale=0.5))
+    for finite in (True, False, True):
+        src.update(finite)
+    data = src.state_dict()
+    for key, value in mutations:
+        data[key] = value
+    try:
+        expected = mpx.load_state_dict(data)
+    except mpx.StateDictError:
+        with pytest.raises(mpx.StateDictError):  # and nothing but a StateDictError
+            LossScale.from_state_dict(data)
+        return
+    ls = LossScale.from_state_dict(data)
+    assert (ls.config, ls.state) == expected
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        mpx.ScalerConfig(growth_factor=2.0**32, backoff_factor=2.0**-32, growth_interval=1, min_scale=None,
+                         max_scale=None),
+        mpx.ScalerConfig(growth_interval=2**31 - 1, hysteresis=2**31 - 1),
+        mpx.ScalerConfig(init_scale=F32_MAX, max_scale=None, growth_interval=1),
+    ],
+)  # fmt: skip
+def test_extreme_accepted_configs_run(config):
+    # item 4: what the core accepts runs (it raised OverflowError before)
+    flags = [True, False, True, True, False, False]
+    trace = device_trace(config, flags)
+    state = mpx.scaler_init(config)
+    for i, finite in enumerate(flags):
+        state = mpx.scaler_update(config, state, finite)
+        assert int(f32_bits(trace.loss_scale[i])) == int(f32_bits(state.scale)), i
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.floats(2.0**-126, F32_MAX).map(lambda x: float(np.float32(x))).filter(lambda x: x >= 2.0**-126),
+    st.one_of(st.floats(1.0, 2.0**32, exclude_min=True), st.sampled_from([1.1, 1.333333412806193])),
+    st.one_of(st.floats(2.0**-32, 1.0, exclude_max=True), st.sampled_from([0.9, 0.8])),
+    st.lists(st.booleans(), min_size=1, max_size=30),
+)
+def test_random_factor_histories_match_the_reference(init, gf, bf, flags):
+    # item 9: torch's product rule on device, for random (scale, factor) histories
+    config = mpx.ScalerConfig(init_scale=init, growth_factor=gf, backoff_factor=bf, growth_interval=1,
+                              min_scale=None, max_scale=None)  # fmt: skip
+    trace = device_trace(config, flags)
+    state = mpx.scaler_init(config)
+    for i, finite in enumerate(flags):
+        state = mpx.scaler_update(config, state, finite)
+        assert int(f32_bits(trace.loss_scale[i])) == int(f32_bits(state.scale)), (i, config)

@@ -37,9 +37,9 @@ def _same_state(got: mpx.ScalerState, want: mpx.ScalerState) -> bool:
 
 
 # -- the state machine, bit for bit -----------------------------------------------------
-SCALES = [2.0**-140, 1e-40, 2.0**-126, 1e-37, 0.75, 1.0, 3.0, 2.0**16, 1e30, 2.0**127, 3.4e38]
-FACTORS_UP = [1.0000001, 1.5, 2.0, 3.0, 1e20, 1e39]  # 1e39 is inf as a float32
-FACTORS_DOWN = [1e-40, 1e-30, 0.1, 0.5, 0.9999999]
+SCALES = [2.0**-126, 1.5e-38, 1e-37, 0.75, 1.0, 3.0, 2.0**16, 1e30, 2.0**127, 3.4e38]  # scales >= 2**-126
+FACTORS_UP = [1.0000001, 1.1, 1.5, 2.0, 3.0, 1e9, 2.0**32]  # factors in (1, 2**32]
+FACTORS_DOWN = [2.0**-32, 1e-7, 0.1, 0.5, 0.9, 0.9999999]  # and in [2**-32, 1)
 
 
 @st.composite
@@ -51,7 +51,7 @@ def configs(draw):
         growth_factor=draw(st.sampled_from(FACTORS_UP)),
         backoff_factor=draw(st.sampled_from(FACTORS_DOWN)),
         growth_interval=draw(st.integers(1, 4)),
-        min_scale=draw(st.sampled_from([None, 1e-40, 2.0**-130, 1e-38, 0.5, 1.0])),
+        min_scale=draw(st.sampled_from([None, 2.0**-126, 1.2e-38, 0.5, 1.0])),
         max_scale=draw(st.sampled_from([None, 1.0, 2.0**24, 1e38, 3.4e38])),
         hysteresis=draw(st.integers(1, 3)),
         skip_nonfinite=draw(st.sampled_from([None, True, False])),
@@ -101,17 +101,20 @@ def test_trace_matches_scaler_update(config, events):
     assert step.experimental_get_tracing_count() == 1
 
 
-def test_subnormal_scales_are_not_flushed():
-    """TF's kernels flush float32 subnormals; the scale transition must not."""
-    config = mpx.ScalerConfig(init_scale=2.0**-120, backoff_factor=0.5, min_scale=None, growth_interval=1)
+def test_scale_is_floored_at_the_smallest_normal():
+    """TF's kernels flush float32 subnormals; the scale stops at 2**-126 (issue #13 item 5) and grows back."""
+    config = mpx.ScalerConfig(init_scale=2.0**-120, backoff_factor=0.3, min_scale=None, growth_interval=1)
     var = keras.Variable(np.zeros(3, np.float32))
     opt = mpx_tf.LossScaleOptimizer(keras.optimizers.SGD(0.1), config)
     step = _make_step(opt, var)
-    events = [1] * 25 + [0] * 3  # down to 2**-145, then up
-    for event, expected in zip(events, reference_trace(config, [e == 0 for e in events]), strict=True):
+    events = [1] * 25 + [0] * 3
+    want = reference_trace(config, [e == 0 for e in events])
+    for i, (event, expected) in enumerate(zip(events, want, strict=True)):
         step(tf.constant(event))
         assert _same_state(opt.state, expected)
-    assert 0.0 < opt.scale < 2.0**-126  # a subnormal float32, as numpy computes it
+        if i == 24:
+            assert opt.scale == 2.0**-126
+    assert opt.scale == 2.0**-123
 
 
 # -- a real model in a custom loop ------------------------------------------------------
@@ -334,10 +337,10 @@ def test_loaded_config_drives_the_next_steps():
     assert opt.state == mpx.ScalerState(8.0, 0, 1, 4, 2)
 
 
-def test_subnormal_scale_survives_state_dict():
-    config = mpx.ScalerConfig(init_scale=1e-40, min_scale=None)
+def test_smallest_scale_survives_state_dict():
+    config = mpx.ScalerConfig(init_scale=2.0**-126, min_scale=None)
     opt = mpx_tf.LossScaleOptimizer(keras.optimizers.SGD(), config)
-    assert opt.scale == float(np.float32(1e-40)) != 0.0
+    assert opt.scale == 2.0**-126
     again = mpx_tf.LossScaleOptimizer(keras.optimizers.SGD())
     again.load_state_dict(opt.state_dict())
     assert again.state == opt.state
@@ -363,8 +366,8 @@ def test_bad_inner_optimizers_raise_mpx_errors():
         mpx_tf.LossScaleOptimizer("adam")
     with pytest.raises(mpx.MPXError, match="already a LossScaleOptimizer"):
         mpx_tf.LossScaleOptimizer(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()))
-    with pytest.raises(mpx.MPXError, match="unknown argument 'initial_scale'"):
-        mpx_tf.LossScaleOptimizer(keras.optimizers.SGD(), initial_scale=2.0)
+    with pytest.raises(mpx.MPXError, match="unknown arguments 'init_scale'"):  # Keras's initial_scale is accepted
+        mpx_tf.LossScaleOptimizer(keras.optimizers.SGD(), init_scale=2.0)
     with pytest.raises(ValueError, match="needs a built optimizer"):
         mpx_tf.LossScaleOptimizer(keras.optimizers.SGD()).apply([tf.ones(2)])
     with pytest.raises(ValueError, match="stateless_apply"):
@@ -416,3 +419,113 @@ def test_tf_train_checkpoint_keeps_the_scaler_state(tmp_path):
     tf.train.Checkpoint(optimizer=opt2, var=var2.value).restore(path).assert_consumed()
     assert opt2.state == opt.state
     assert bits(opt2.inner_optimizer.variables) == bits(opt.inner_optimizer.variables)
+
+
+# -- issue #13 -------------------------------------------------------------------------
+def test_overflow_only_after_unscaling_skips_the_step():
+    # item 1: a finite scaled gradient that overflows when divided by a scale below 1
+    config = mpx.ScalerConfig(init_scale=0.25, min_scale=0.25)
+    var = keras.Variable(np.ones(2, np.float32))
+    inner = keras.optimizers.Adam(0.1)
+    opt = mpx_tf.LossScaleOptimizer(inner, config)
+    opt.build([var])
+    before = bits([var]), bits(inner.variables)
+    opt.apply([tf.constant([1e38, 1.0], tf.float32)], [var])
+    assert (bits([var]), bits(inner.variables)) == before
+    assert _same_state(opt.state, reference_trace(config, [False])[0]) and opt.state.skipped_steps == 1
+
+
+_HISTORY = st.lists(st.booleans(), min_size=1, max_size=30)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.floats(2.0**-126, 3.4e38).map(lambda x: float(np.float32(x))).filter(lambda x: x >= 2.0**-126),
+    st.one_of(st.floats(1.0, 2.0**32, exclude_min=True), st.sampled_from([1.1, 1.333333412806193, 3.0])),
+    st.one_of(st.floats(2.0**-32, 1.0, exclude_max=True), st.sampled_from([0.9, 0.8, 0.3])),
+    st.integers(1, 3),
+    st.sampled_from([None, 2.0**-126, 0.5]),
+    _HISTORY,
+)
+def test_device_scale_matches_core_for_random_factor_histories(init, gf, bf, interval, lo, flags):
+    # item 9: the float64 product of torch's kernel, bit for bit, on TF's device ops
+    lo = None if lo is not None and init < lo else lo
+    config = mpx.ScalerConfig(
+        init_scale=init, growth_factor=gf, backoff_factor=bf, growth_interval=interval,
+        min_scale=lo, max_scale=None,
+    )  # fmt: skip
+    opt = mpx_tf.LossScaleOptimizer(keras.optimizers.SGD(0.1), config)
+    for finite, expected in zip(flags, reference_trace(config, flags), strict=True):
+        opt._transition(tf.constant(finite))
+        assert _same_state(opt.state, expected), (opt.state, expected)
+
+
+def test_issue_example_and_double_rounding_case():
+    for config, flags, want in (
+        (mpx.ScalerConfig(init_scale=3.0, backoff_factor=0.9, min_scale=None), [False], 2.700000047683716),
+        (mpx.ScalerConfig(init_scale=3.0, growth_factor=1.333333412806193, growth_interval=1), [True], 4.0),
+    ):
+        opt = mpx_tf.LossScaleOptimizer(keras.optimizers.SGD(0.1), config)
+        for finite in flags:
+            opt._transition(tf.constant(finite))
+        assert opt.scale == want
+
+
+def _snapshot(opt):
+    return opt.state, opt.config
+
+
+@pytest.mark.parametrize(
+    "tamper",
+    [
+        lambda d: d.update(steps=2**64),  # item 2
+        lambda d: d.update(scale=10**400),  # item 3
+        lambda d: d["config"].update(growth_interval=2**70),  # item 4
+        lambda d: d["config"].update(growth_factor=3.5e38),
+        lambda d: d.update(growth_tracker=1, consecutive_nonfinite=1, steps=4, skipped_steps=1),  # item 6
+        lambda d: d.update(growth_tracker=2, steps=1),
+        lambda d: d.update(consecutive_nonfinite=2, skipped_steps=1, steps=4),
+        lambda d: d.update(scale=0.125),  # a valid config (min_scale 1) with a state off its bounds
+    ],
+)
+def test_rejected_loads_change_nothing(tamper):
+    data = mpx.LossScaler(mpx.ScalerConfig(init_scale=8.0, growth_interval=5)).state_dict()
+    data["config"]["hysteresis"] = 3
+    tamper(data)
+    opt = mpx_tf.LossScaleOptimizer(keras.optimizers.SGD(), mpx.ScalerConfig(init_scale=4.0))
+    before = _snapshot(opt)
+    with pytest.raises(mpx.StateDictError):
+        opt.load_state_dict(data)
+    assert _snapshot(opt) == before
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        mpx.ScalerConfig(growth_factor=2.0**32, backoff_factor=2.0**-32, growth_interval=1, min_scale=None,
+                         max_scale=None),
+        mpx.ScalerConfig(growth_interval=2**31 - 1, hysteresis=2**31 - 1),
+    ],
+)  # fmt: skip
+def test_extreme_accepted_configs_run(config):
+    # item 4: what the core accepts, the backend runs
+    flags = [True, False, True, True, False]
+    opt = mpx_tf.LossScaleOptimizer(keras.optimizers.SGD(), config)
+    var = keras.Variable(np.ones(3, np.float32))
+    step = _make_step(opt, var)
+    for event, expected in zip([0, 1, 0, 0, 2], reference_trace(config, flags), strict=True):
+        step(tf.constant(event))
+        assert _same_state(opt.state, expected)
+
+
+def test_counters_saturate_and_the_largest_load():
+    m = mpx.COUNTER_MAX
+    config = mpx.ScalerConfig(kind="static", init_scale=2.0)
+    state = mpx.ScalerState(2.0, 0, m - 1, m - 1, m - 1)
+    opt = mpx_tf.LossScaleOptimizer(keras.optimizers.SGD())
+    opt.load_state_dict(mpx.state_dict(config, state))
+    for _ in range(2):
+        opt._transition(tf.constant(False))
+        state = mpx.scaler_update(config, state, False)
+        assert opt.state == state
+    assert state.steps == m

@@ -123,7 +123,7 @@ def tensor_ops_only(monkeypatch):
 def test_trace_with_tensor_ops_only(tensor_ops_only, config, flags):
     scaler = GradScaler(config)
     _run(scaler, config, flags)
-    assert not scaler._tensors.kernel
+    assert not scaler._tensors.use_torch_kernel
 
 
 @settings(max_examples=25, deadline=None)
@@ -554,3 +554,292 @@ def test_on_device_trace_and_skip(device, fused):
         assert (not finite) == _same_bits(before[1], after[1]) or not before[1]
         ref = ref_next
     assert scaler._tensors.scale.device.type == device
+
+
+# -- issue #13 -------------------------------------------------------------------------
+@pytest.mark.parametrize("how", ["step", "unscale_", "fused"])
+def test_overflow_only_after_unscaling_skips_the_step(how):
+    # item 1: finite scaled gradients whose unscaled values overflow (scale < 1) are a non-finite step
+    config = mpx.ScalerConfig(init_scale=0.25, min_scale=0.25)
+    scaler = GradScaler(config)
+    p = nn.Parameter(torch.ones(2))
+    opt = torch.optim.AdamW([p], lr=0.1, fused=how == "fused")
+    scaler.scale(p.sum()).backward()
+    p.grad[0] = 1e38  # finite; times 4 is inf
+    if how == "unscale_":
+        scaler.unscale_(opt)
+    scaler.step(opt)
+    scaler.update()
+    assert torch.equal(p.detach(), torch.ones(2)) and not opt.state
+    assert scaler.state == mpx.scaler_update(config, mpx.scaler_init(config), False)
+    assert scaler.state.skipped_steps == 1
+
+
+def test_unscaled_check_costs_no_sync_and_only_runs_below_one():
+    for config, expected in ((mpx.ScalerConfig(), False), (mpx.ScalerConfig(min_scale=None), True)):
+        assert config.scale_can_drop_below_one is expected
+        scaler = GradScaler(config)
+        p = nn.Parameter(torch.ones(2))
+        opt = torch.optim.AdamW([p], lr=0.1, fused=True)
+        scaler.scale(p.sum()).backward()
+        opt.step()  # the optimizer state exists: the fused path needs no first-step sync
+        with SyncRecorder() as rec:
+            scaler.unscale_(opt)
+            scaler.update()
+        assert rec.syncs == []
+
+
+def _torch_trace(init, factors_flags, interval):
+    """torch's own kernel, then mpx's floor (2**-126): the reference for a torch-equivalent config."""
+    scale = torch.full((), init, dtype=torch.float32)
+    tracker = torch.zeros((), dtype=torch.int32)
+    out = []
+    for (gf, bf), finite in factors_flags:
+        found = torch.full((), 0.0 if finite else 1.0)
+        torch._amp_update_scale_(scale, tracker, found, gf, bf, interval)
+        scale.clamp_(min=2.0**-126)
+        out.append(scale.item())
+    return out
+
+
+factor_pairs = st.tuples(
+    st.one_of(st.floats(1.0, 2.0**32, exclude_min=True), st.sampled_from([1.1, 1.5, 2.0, 3.0])),
+    st.one_of(st.floats(2.0**-32, 1.0, exclude_max=True), st.sampled_from([0.9, 0.8, 0.5, 0.3])),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.floats(2.0**-126, 3.4e38).map(lambda x: float(np.float32(x))).filter(lambda x: x >= 2.0**-126),
+    factor_pairs,
+    st.integers(1, 3),
+    st.lists(st.booleans(), min_size=1, max_size=30),
+)
+def test_scale_bit_identical_to_torch_kernel(init, factors, interval, flags):
+    # item 9: core, mpx_torch and torch._amp_update_scale_ agree for any (scale, factor) history
+    gf, bf = factors
+    config = mpx.ScalerConfig(
+        init_scale=init, growth_factor=gf, backoff_factor=bf, growth_interval=interval,
+        min_scale=None, max_scale=None,
+    )  # fmt: skip
+    want = _torch_trace(init, [(factors, f) for f in flags], interval)
+    core = mpx.LossScaler(config)
+    scaler = GradScaler(config)
+    scaler.scale(torch.tensor(1.0))
+    for finite, expected in zip(flags, want, strict=True):
+        core.update(finite)
+        assert core.scale == expected == mpx.scaling.scale_product(1.0, expected)
+        scaler._tensors.advance(config, torch.full((), 0.0 if finite else 1.0))
+        assert scaler._tensors.scale.item() == expected
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+def test_issue_examples_match_torch_grad_scaler(kernel, monkeypatch):
+    monkeypatch.setattr(grad_scaler_module._DeviceState, "use_torch_kernel", kernel)
+    cases = [
+        (3.0, 2.0, 0.9, [False], 2.700000047683716),
+        (3.0, 1.333333412806193, 0.5, [True], 4.0),  # the float64 product is a float32 tie
+        (7.0, 1.1, 0.8, [True, False, True, True, False], None),
+    ]
+    for init, gf, bf, flags, expected in cases:
+        native = torch.amp.GradScaler("cpu", init_scale=init, growth_factor=gf, backoff_factor=bf, growth_interval=1)
+        ours = GradScaler(mpx.ScalerConfig(
+            init_scale=init, growth_factor=gf, backoff_factor=bf, growth_interval=1, min_scale=None, max_scale=None
+        ))  # fmt: skip
+        for finite in flags:
+            for scaler in (native, ours):
+                p = nn.Parameter(torch.ones(1))
+                opt = torch.optim.SGD([p], lr=0.1)
+                scaler.scale(p.sum()).backward()
+                if not finite:
+                    p.grad.fill_(float("inf"))
+                scaler.step(opt)
+                scaler.update()
+            assert ours.get_scale() == native.get_scale()
+        if expected is not None:
+            assert ours.get_scale() == expected
+
+
+def test_hysteresis_uses_the_kernel_and_matches_the_core():
+    config = mpx.ScalerConfig(init_scale=3.0, growth_factor=1.1, backoff_factor=0.9, growth_interval=2,
+                              hysteresis=2, min_scale=None)  # fmt: skip
+    _run(GradScaler(config), config, [True, False, False, False, True, True, True, False, True, True])
+
+
+def test_scale_floor_round_trips():
+    # item 5: min_scale=None never reaches 0; the state dict loads back
+    config = mpx.ScalerConfig(min_scale=None)
+    scaler = GradScaler(config)
+    _run(scaler, config, [False] * 170)
+    assert scaler.get_scale() == 2.0**-126
+    fresh = GradScaler()
+    fresh.load_state_dict(json.loads(json.dumps(scaler.state_dict())))
+    assert fresh.state == scaler.state and fresh.config == config
+
+
+def _state_and_config(scaler):
+    return scaler.state, scaler.config
+
+
+@pytest.mark.parametrize("initialized", [False, True])
+@pytest.mark.parametrize(
+    "tamper",
+    [
+        lambda d: d.update(steps=2**64),  # item 2: accepted by the core before, OverflowError here
+        lambda d: d.update(steps=2**31),
+        lambda d: d.update(scale=10**400),  # item 3
+        lambda d: d["config"].update(growth_interval=2**70, init_scale=4.0),  # item 4
+        lambda d: d["config"].update(growth_factor=3.5e38),
+        lambda d: d.update(growth_tracker=1, consecutive_nonfinite=1, steps=5, skipped_steps=1),  # item 6
+        lambda d: d.update(growth_tracker=3, steps=2),
+        lambda d: d.update(consecutive_nonfinite=2, skipped_steps=1, steps=5),
+        lambda d: d["config"].update(min_scale=0.25),  # a valid config with an invalid state: no half-load
+    ],
+)
+def test_rejected_loads_change_nothing(initialized, tamper):
+    good = GradScaler(mpx.ScalerConfig(init_scale=2.0**10, min_scale=None, growth_interval=4)).state_dict()
+    data = json.loads(json.dumps(good))
+    data["scale"] = 0.125  # only valid under min_scale=None
+    tamper(data)
+    scaler = GradScaler(mpx.ScalerConfig(init_scale=8.0, growth_interval=3))
+    if initialized:
+        scaler.scale(torch.tensor(1.0))
+    before = _state_and_config(scaler)
+    with pytest.raises(mpx.StateDictError):
+        scaler.load_state_dict(data)
+    assert _state_and_config(scaler) == before
+
+
+@pytest.mark.parametrize(
+    "native",
+    [
+        {"scale": 10**400, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 10, "_growth_tracker": 0},
+        {"scale": 8.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2**70, "_growth_tracker": 0},
+        {"scale": 8.0, "growth_factor": 3.5e38, "backoff_factor": 0.5, "growth_interval": 9, "_growth_tracker": 0},
+        {"scale": 8.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 9, "_growth_tracker": 2**64},
+        {"scale": 0.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 9, "_growth_tracker": 0},
+        {"scale": 8.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 9, "_growth_tracker": -1},
+    ],
+)
+def test_rejected_native_loads_change_nothing(native):
+    scaler = GradScaler(mpx.ScalerConfig(init_scale=8.0, growth_interval=3))
+    scaler.scale(torch.tensor(1.0))
+    before = _state_and_config(scaler)
+    with pytest.raises(mpx.StateDictError):
+        scaler.load_state_dict(native)
+    assert _state_and_config(scaler) == before
+
+
+_FIELDS = st.sampled_from(["scale", "growth_tracker", "consecutive_nonfinite", "steps", "skipped_steps"])
+_VALUES = st.one_of(
+    st.integers(-(2**70), 2**70), st.integers(0, 6), st.floats(allow_nan=True),
+    st.sampled_from([10**400, 2.0**-126, 0.5, 8.0, 2.0**31, None]),
+)  # fmt: skip
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.lists(st.tuples(_FIELDS, _VALUES), min_size=1, max_size=3))
+def test_state_dict_mutations_load_whole_or_not_at_all(mutations):
+    src = GradScaler(mpx.ScalerConfig(init_scale=8.0, growth_interval=4, min_scale=0.5))
+    _run(src, src.config, [True, False, True])
+    data = src.state_dict()
+    for key, value in mutations:
+        data[key] = value
+    scaler = GradScaler(mpx.ScalerConfig(init_scale=2.0))
+    scaler.scale(torch.tensor(1.0))
+    before = _state_and_config(scaler)
+    try:
+        expected = mpx.load_state_dict(data)
+    except mpx.StateDictError:
+        with pytest.raises(mpx.StateDictError):
+            scaler.load_state_dict(data)
+        assert _state_and_config(scaler) == before
+    else:
+        scaler.load_state_dict(data)  # whatever the core accepts, the backend loads
+        assert (scaler.config, scaler.state) == expected
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        mpx.ScalerConfig(growth_factor=2.0**32, backoff_factor=2.0**-32, growth_interval=1, min_scale=None,
+                         max_scale=None),
+        mpx.ScalerConfig(growth_interval=2**31 - 1, hysteresis=2**31 - 1),
+        mpx.ScalerConfig(init_scale=3.4e38, max_scale=None, growth_factor=1.0000001, growth_interval=1),
+    ],
+)  # fmt: skip
+def test_extreme_accepted_configs_run(config):
+    # item 4: what the core accepts, the backend runs
+    _run(GradScaler(config), config, [True, False, True, True, False])
+
+
+def test_counters_saturate_like_the_core():
+    config = mpx.ScalerConfig(init_scale=8.0, growth_interval=4)
+    m = mpx.COUNTER_MAX
+    state = mpx.ScalerState(8.0, 0, m - 1, m - 1, m - 1)
+    scaler = GradScaler()
+    scaler.load_state_dict(mpx.state_dict(config, state))
+    ref = state
+    for finite in (False, False, True):
+        scaler.scale(torch.tensor(1.0))
+        p = nn.Parameter(torch.ones(1))
+        p.grad = torch.full((1,), 1.0 if finite else float("inf"))
+        scaler.step(torch.optim.SGD([p], lr=0.1))
+        scaler.update()
+        ref = mpx.scaler_update(config, ref, finite)
+        assert scaler.state == ref
+    assert ref.steps == m
+
+
+def test_huge_new_scale_is_a_scaler_config_error():
+    scaler = GradScaler()
+    scaler.scale(torch.tensor(1.0))
+    with pytest.raises(mpx.ScalerConfigError, match="^new_scale: "):
+        scaler.update(new_scale=10**400)
+
+
+def test_disabled_scaler_state_dicts_follow_torch():
+    # item 8: {} out, {} in, as torch's; the neutral dict on request
+    ours, native = GradScaler(enabled=False), torch.amp.GradScaler("cpu", enabled=False)
+    assert ours.state_dict() == native.state_dict() == {}
+    ours.load_state_dict(native.state_dict())
+    ours.load_state_dict({})
+    assert ours.state_dict(neutral=True) == mpx.state_dict(mpx.ScalerConfig(), mpx.scaler_init(mpx.ScalerConfig()))
+    assert GradScaler().state_dict(neutral=True) == GradScaler().state_dict()
+    with pytest.raises(mpx.StateDictError, match="empty"):
+        GradScaler().load_state_dict({})  # an enabled scaler has something to restore
+
+
+class _GradScalerKwargOptimizer(torch.optim.SGD):
+    """An optimizer of torch's older protocol: step(grad_scaler=...) does its own checks."""
+
+    _step_supports_amp_scaling = True
+
+    def step(self, closure=None, grad_scaler=None):
+        self.seen = grad_scaler
+        found = grad_scaler._check_inf_per_device(self)
+        if sum(v.item() for v in found.values()):
+            return None
+        inv = 1.0 / grad_scaler.get_scale()
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.grad.mul_(inv)
+        return super().step()
+
+
+@pytest.mark.parametrize("finite", [True, False])
+def test_grad_scaler_kwarg_protocol_as_torch(finite):
+    results = []
+    for make in (lambda: torch.amp.GradScaler("cpu", init_scale=4.0), lambda: GradScaler(mpx.ScalerConfig(init_scale=4.0))):
+        scaler = make()
+        p = nn.Parameter(torch.ones(2))
+        opt = _GradScalerKwargOptimizer([p], lr=0.5)
+        scaler.scale(p.sum()).backward()
+        if not finite:
+            p.grad[0] = float("inf")
+        with pytest.warns(FutureWarning, match="stop passing itself"):
+            scaler.step(opt)
+        scaler.update()
+        assert opt.seen is scaler
+        results.append((p.detach().clone(), scaler.get_scale()))
+    assert torch.equal(results[0][0], results[1][0]) and results[0][1] == results[1][1]

@@ -1,0 +1,196 @@
+"""Scaler history: the loss scale and the state machine's events per step, framework-neutral.
+
+Every backend records, per step and on its device, the state after the step
+(the float32 scale, ``growth_tracker`` and ``consecutive_nonfinite``) and reads
+them back in one transfer; :meth:`ScalerHistory.from_states` turns those into
+the per-step events, so the events have one definition, here:
+
+* ``skipped``: the step's update was skipped (non-finite, with ``skip_nonfinite``);
+* ``growth``: a growth step of a dynamic scaler (the ``growth_interval``-th
+  finite step in a row), even when ``max_scale`` keeps the scale where it was;
+* ``backoff``: a backoff step of a dynamic scaler (``hysteresis`` non-finite
+  steps in a row reached), even when ``min_scale`` keeps the scale where it was.
+
+``steps`` are the state's step numbers (1 for the first step after a fresh
+state).  The JSON file (:meth:`save`, :meth:`load`) is :meth:`to_dict`::
+
+    {"format": "mpx.scaler_history/1", "config": {...ScalerConfig.to_dict()...},
+     "steps": [1, 2, ...], "scale": [65536.0, ...], "skipped": [false, ...],
+     "growth": [...], "backoff": [...]}
+
+``mpx history plot FILE --out PNG`` draws it.
+
+>>> from mpx.scaling import ScalerConfig
+>>> h = ScalerHistory.reference(ScalerConfig(growth_interval=2), [True, True, False])
+>>> h.scale, h.growth, h.backoff, h.skipped
+([65536.0, 131072.0, 65536.0], [False, True, False], [False, False, True], [False, False, True])
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mpx.errors import MPXError
+from mpx.scaling import COUNTER_MAX, ScalerConfig, ScalerState, f32, scaler_init, scaler_update
+
+__all__ = ["HISTORY_FORMAT", "HistoryError", "ScalerHistory"]
+
+#: The ``format`` tag of a scaler history dict / JSON file.
+HISTORY_FORMAT = "mpx.scaler_history/1"
+_SERIES = ("steps", "scale", "skipped", "growth", "backoff")
+
+
+class HistoryError(MPXError):
+    """A scaler history (dict or file) is malformed."""
+
+
+@dataclass(frozen=True)
+class ScalerHistory:
+    """Per-step loss scale and events of one scaler (parallel lists, one entry per step).
+
+    Attributes:
+        config: the scaler's :class:`mpx.ScalerConfig`.
+        steps: step numbers (ints >= 1).
+        scale: the scale after each step (float32 values).
+        skipped, growth, backoff: the step's events (bools, see the module docs).
+    """
+
+    config: ScalerConfig
+    steps: list[int] = field(default_factory=list)
+    scale: list[float] = field(default_factory=list)
+    skipped: list[bool] = field(default_factory=list)
+    growth: list[bool] = field(default_factory=list)
+    backoff: list[bool] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    # -- building --------------------------------------------------------------
+    @staticmethod
+    def events(config: ScalerConfig, after: ScalerState) -> tuple[bool, bool, bool]:
+        """(skipped, growth, backoff) of the step that produced ``after`` (pure; from the state alone)."""
+        finite = after.consecutive_nonfinite == 0
+        dynamic = config.kind == "dynamic"
+        skipped = (not finite) and bool(config.skip_nonfinite)
+        growth = dynamic and finite and after.growth_tracker == 0
+        backoff = dynamic and (not finite) and after.consecutive_nonfinite >= config.hysteresis
+        return skipped, growth, backoff
+
+    @classmethod
+    def from_states(
+        cls, config: ScalerConfig, steps: int | Sequence[int], scales: Sequence[float], trackers: Sequence[int],
+        consecutive: Sequence[int],
+    ) -> ScalerHistory:  # fmt: skip
+        """A history from the states after each step (what backends record).
+
+        ``steps``: the step numbers, or the first one (then ``steps, steps + 1, ...``).
+        """
+        if isinstance(steps, int):
+            steps = [min(steps + i, COUNTER_MAX) for i in range(len(scales))]
+        if not (len(steps) == len(scales) == len(trackers) == len(consecutive)):
+            raise HistoryError("history: steps, scales, trackers and consecutive must have the same length")
+        rows = [
+            cls.events(config, ScalerState(float(s), int(t), int(c)))
+            for s, t, c in zip(scales, trackers, consecutive, strict=True)
+        ]
+        return cls(
+            config,
+            steps=[int(x) for x in steps],
+            scale=[f32(float(s)) for s in scales],
+            skipped=[r[0] for r in rows],
+            growth=[r[1] for r in rows],
+            backoff=[r[2] for r in rows],
+        )
+
+    @classmethod
+    def reference(
+        cls, config: ScalerConfig, flags: Iterable[bool], state: ScalerState | None = None
+    ) -> ScalerHistory:
+        """The history :func:`mpx.scaler_update` produces for the finite ``flags``, from ``state`` (default fresh)."""
+        s = scaler_init(config) if state is None else state
+        first = s.steps + 1
+        scales, trackers, consecutive = [], [], []
+        for finite in flags:
+            s = scaler_update(config, s, finite)
+            scales.append(s.scale)
+            trackers.append(s.growth_tracker)
+            consecutive.append(s.consecutive_nonfinite)
+        return cls.from_states(config, first, scales, trackers, consecutive)
+
+    def extend(self, other: ScalerHistory) -> ScalerHistory:
+        """This history followed by ``other`` (a new object)."""
+        return ScalerHistory(
+            other.config,
+            *(getattr(self, k) + getattr(other, k) for k in _SERIES),  # type: ignore[arg-type]
+        )
+
+    # -- files -------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON-safe dict (format ``mpx.scaler_history/1``)."""
+        return {"format": HISTORY_FORMAT, "config": self.config.to_dict(),
+                **{k: list(getattr(self, k)) for k in _SERIES}}  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ScalerHistory:
+        """Read :meth:`to_dict` back.
+
+        Raises:
+            HistoryError: for a wrong format tag, a missing key, series of different lengths or bad values.
+        """
+        if not isinstance(data, Mapping):
+            raise HistoryError(f"history: expected a mapping, got {type(data).__name__}")
+        if data.get("format") != HISTORY_FORMAT:
+            raise HistoryError(f"format: expected {HISTORY_FORMAT!r}, got {str(data.get('format'))[:60]!r}")
+        missing = [k for k in ("config", *_SERIES) if k not in data]
+        if missing:
+            raise HistoryError(f"history: missing key {missing[0]!r}")
+        try:
+            config = ScalerConfig.from_dict(data["config"])
+        except MPXError as e:
+            raise HistoryError(f"config: {e}") from None
+        series = {k: data[k] for k in _SERIES}
+        for k, v in series.items():
+            if not isinstance(v, list):
+                raise HistoryError(f"{k}: expected a list, got {type(v).__name__}")
+        if len({len(v) for v in series.values()}) > 1:
+            raise HistoryError("history: steps, scale, skipped, growth and backoff must have the same length")
+        if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in series["steps"]):
+            raise HistoryError("steps: expected ints >= 1")
+        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+                   for x in series["scale"]):  # fmt: skip
+            raise HistoryError("scale: expected finite positive numbers")
+        for k in ("skipped", "growth", "backoff"):
+            if not all(isinstance(x, bool) for x in series[k]):
+                raise HistoryError(f"{k}: expected true/false values")
+        return cls(config, [int(x) for x in series["steps"]], [float(x) for x in series["scale"]],
+                   *(list(series[k]) for k in ("skipped", "growth", "backoff")))  # fmt: skip
+
+    def save(self, path: str | Path) -> Path:
+        """Write the JSON file; returns its path."""
+        path = Path(path)
+        path.write_text(json.dumps(self.to_dict()) + "\n", encoding="utf-8")
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> ScalerHistory:
+        """Read a file written by :meth:`save`.
+
+        Raises:
+            HistoryError: when the file cannot be read, is not JSON, or is not a scaler history.
+        """
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise HistoryError(
+                f"{path}: cannot read the history file ({e.__class__.__name__}: {e})"
+            ) from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise HistoryError(f"{path}: not a JSON scaler history ({e})") from None
+        return cls.from_dict(data)

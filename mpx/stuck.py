@@ -1,0 +1,90 @@
+"""Stuck-scale detection: the framework-neutral decision every backend calls.
+
+A scaler is *stuck* when ``ScalerConfig.max_consecutive_skips`` (N) steps in a
+row were skipped: it then raises :class:`mpx.ScalerStuckError` or warns with
+:class:`mpx.ScalerStuckWarning` (``ScalerConfig.on_stuck``), at the N-th skip
+in a row and again at the 2N-th, 3N-th..., never before the N-th.  The count is
+the state's ``consecutive_nonfinite`` (every non-finite step is a skip when
+``skip_nonfinite``; a config that does not skip is never stuck).
+
+The message says which of two causes it is:
+
+* the forward loss itself was non-finite on the last step (``loss_finite`` is
+  False): no loss scale can help (look at the data, the model, the learning rate);
+* the loss was finite and the gradients overflow at the minimum scale (the
+  scale has reached ``min_scale``): the model's gradients do not fit float16
+  even unscaled, so keep the offending layers in float32 or use bfloat16;
+* otherwise the scale is still backing off (N is below what reaches
+  ``min_scale``), or the loss was not given to the scaler (``loss_finite`` None).
+
+>>> from mpx.scaling import ScalerConfig, ScalerState
+>>> cfg = ScalerConfig(max_consecutive_skips=3, min_scale=1.0)
+>>> stuck_message(cfg, ScalerState(1.0, consecutive_nonfinite=2, steps=2, skipped_steps=2), True) is None
+True
+>>> print(stuck_message(cfg, ScalerState(1.0, consecutive_nonfinite=3, steps=3, skipped_steps=3), False))
+loss scaler stuck: 3 steps in a row skipped (max_consecutive_skips=3), scale 1: the forward loss itself is non-finite (inf or NaN), so no loss scale can help; check the inputs, the model and the learning rate
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from mpx.errors import ScalerStuckError, ScalerStuckWarning
+from mpx.scaling import ScalerConfig, ScalerState
+
+__all__ = ["is_stuck", "signal_stuck", "stuck_message"]
+
+
+def is_stuck(config: ScalerConfig, consecutive_skips: int) -> bool:
+    """Whether a step that leaves ``consecutive_skips`` skipped steps in a row triggers the detection.
+
+    True at N, 2N, 3N... (N = ``config.max_consecutive_skips``); always False when
+    N is None or the config does not skip non-finite steps.
+    """
+    n = config.max_consecutive_skips
+    if n is None or not config.skip_nonfinite:
+        return False
+    return consecutive_skips > 0 and consecutive_skips % n == 0
+
+
+def stuck_message(config: ScalerConfig, state: ScalerState, loss_finite: bool | None = None) -> str | None:
+    """The stuck message for the state after a step, or None when the step does not trigger (pure).
+
+    ``loss_finite``: whether that step's forward loss was finite (None: unknown,
+    the loss was not given to the scaler).
+    """
+    if not is_stuck(config, state.consecutive_nonfinite):
+        return None
+    n = config.max_consecutive_skips
+    head = (
+        f"loss scaler stuck: {state.consecutive_nonfinite} step{'s' if state.consecutive_nonfinite > 1 else ''} "
+        "in a row skipped "
+        f"(max_consecutive_skips={n}), scale {state.scale:g}"
+    )
+    lo = config.bounds[0] if config.kind == "dynamic" else state.scale
+    if loss_finite is False:
+        cause = (
+            "the forward loss itself is non-finite (inf or NaN), so no loss scale can help; "
+            "check the inputs, the model and the learning rate"
+        )
+    elif state.scale <= lo:
+        cause = (
+            f"the loss is {'finite' if loss_finite else 'of unknown finiteness (not given to the scaler)'} "
+            f"and the gradients overflow at the minimum scale ({lo:g}); keep the overflowing layers in "
+            "float32 (mpx compare / watch name them), lower min_scale, or use bfloat16"
+        )
+    else:
+        cause = f"the gradients keep overflowing while the scale backs off toward min_scale ({lo:g})" + (
+            "" if loss_finite else "; pass the loss to the scaler to tell a non-finite loss apart"
+        )
+    return f"{head}: {cause}"
+
+
+def signal_stuck(config: ScalerConfig, message: str | None, *, stacklevel: int = 3) -> None:
+    """Raise :class:`mpx.ScalerStuckError` or warn (``config.on_stuck``) with ``message``; None does nothing."""
+    if message is None:
+        return
+    if config.on_stuck == "warn":
+        warnings.warn(message, ScalerStuckWarning, stacklevel=stacklevel)
+        return
+    raise ScalerStuckError(message)

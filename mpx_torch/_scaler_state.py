@@ -1,0 +1,94 @@
+"""The config and state-dict glue of ``mpx_torch.GradScaler``: what it accepts as a
+config, and torch's own ``torch.amp.GradScaler`` state dicts read as neutral ones.
+
+Everything is validated through the core (:mod:`mpx.scaling`) before a scaler
+changes, and every failure is an :class:`mpx.StateDictError` (or
+:class:`mpx.ScalerConfigError`/:class:`mpx.PolicyError` for a config).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from mpx import (
+    SCALE_FLOOR,
+    Policy,
+    PolicyError,
+    ScalerConfig,
+    ScalerConfigError,
+    ScalerState,
+    StateDictError,
+    get_policy,
+    state_dict,
+)
+from mpx.scaling import _finite_float, _is_int, _show, f32
+
+__all__ = ["NATIVE_KEYS", "as_config", "native_to_neutral"]
+
+#: The keys of a ``torch.amp.GradScaler.state_dict()``.
+NATIVE_KEYS = frozenset({"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"})
+_DEVICE_NAMES = ("cpu", "cuda", "mps", "xpu", "hpu", "mtia", "meta", "xla", "privateuseone")
+
+
+def as_config(config: Any) -> ScalerConfig:
+    """A GradScaler's ``config`` argument as an :class:`mpx.ScalerConfig`."""
+    if config is None:
+        return ScalerConfig()
+    if isinstance(config, ScalerConfig):
+        return config
+    if isinstance(config, str) and config.split(":")[0] in _DEVICE_NAMES:
+        raise PolicyError(
+            f"config: {config!r} is a device, not a scaler config or policy; torch.amp.GradScaler takes the "
+            f"device first, mpx_torch.GradScaler takes it second: GradScaler(device={config!r})"
+        )
+    if isinstance(config, Mapping) and "kind" in config:  # ScalerConfig.to_dict()
+        return ScalerConfig.from_dict(config)
+    if isinstance(config, (Policy, str, Mapping)):
+        return ScalerConfig.for_policy(get_policy(config))
+    raise ScalerConfigError(
+        f"config: expected an mpx.ScalerConfig, a policy (mpx.Policy or spec string) or None, "
+        f"got {type(config).__name__}"
+    )
+
+
+def native_to_neutral(data: Mapping[str, Any]) -> dict[str, Any]:
+    """A ``torch.amp.GradScaler.state_dict()`` as a neutral dict, with torch's semantics.
+
+    A dynamic config with ``min_scale=None``, ``max_scale=None``,
+    ``hysteresis=1``, ``init_scale`` the saved scale (rounded to float32 as
+    torch's ``fill_`` does; a scale below 2**-126, which torch can reach and
+    mpx cannot, is read as 2**-126), the step counters at 0.
+
+    Raises:
+        StateDictError: naming the bad key.
+    """
+    err = StateDictError
+    for key in ("scale", "growth_factor", "backoff_factor"):
+        if _finite_float(data[key]) is None:
+            raise err(
+                f"{key}: expected a finite number in a torch.amp.GradScaler state dict, got {_show(data[key])}"
+            )
+    for key in ("growth_interval", "_growth_tracker"):
+        if not _is_int(data[key]):
+            raise err(f"{key}: expected an int in a torch.amp.GradScaler state dict, got {_show(data[key])}")
+    scale = f32(float(data["scale"]))
+    if not 0.0 < scale < float("inf"):
+        raise err(f"scale: expected a positive float32 scale, got {_show(data['scale'])}")
+    scale = max(scale, SCALE_FLOOR)
+    try:
+        config = ScalerConfig(
+            kind="dynamic",
+            init_scale=scale,
+            growth_factor=data["growth_factor"],
+            backoff_factor=data["backoff_factor"],
+            growth_interval=data["growth_interval"],
+            min_scale=None,
+            max_scale=None,
+            hysteresis=1,
+        )
+    except ScalerConfigError as e:
+        raise err(f"config: {e}") from None
+    tracker = int(data["_growth_tracker"])
+    # steps: the tracker counts finite steps, so at least that many were taken
+    return state_dict(config, ScalerState(scale, growth_tracker=tracker, steps=tracker))
