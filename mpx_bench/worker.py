@@ -30,6 +30,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--skip-slower-than", type=float, default=20.0)
     p.add_argument("--probe", action="store_true", help="only probe matmul speed per dtype")
+    p.add_argument("--compile", action="store_true", help="also time compiled steps (torch only)")
     p.add_argument("--probe-budget", type=float, default=1.0)
     p.add_argument("--probe-dtypes", default="float32,bfloat16,float16")
     return p
@@ -76,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
                                 f"than float32 on this device (over --skip-slower-than {args.skip_slower_than:g}); "
                                 "pass --skip-slower-than 0 to time it anyway")  # fmt: skip
             emit("probe", backend=args.backend, results=got)
-    configs = module.configs(args.model, args.size, policies, args.device, slow)
+    extra = {"compile": True} if args.compile and args.backend == "torch" else {}
+    configs = module.configs(args.model, args.size, policies, args.device, slow, **extra)
     run_configs(configs, steps=args.steps, warmup=args.warmup, budget_s=args.budget, emit=emit)
     emit("done")
     return 0

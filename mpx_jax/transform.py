@@ -9,23 +9,33 @@ moments and step count stay bit for bit what they were.  The
 :class:`~mpx_jax.LossScale` in the state then takes its step of the mpx state
 machine.
 
-The skip is a select, not a ``jax.lax.cond``: the inner update always runs
-on the unscaled gradients, then every update leaf is ``where(finite, u, -0.0)``
-and the inner state ``select_tree(finite, new, old)``.  XLA fuses the selects
-into the optimizer's own elementwise pass, where a ``cond`` materializes the
-updates and costs a whole extra pass over the parameters.  What it costs on
-XLA:CPU, for the float16 MLP 1024-4096-1024 with AdamW
-(``tests/jax/bench_loss_scaling.py``, which also prints the compiled step's
-bytes): the compiled step accesses 1.14x the unscaled step's bytes, 1.08x of it
-the finiteness check, which must read every gradient once more before anything
-may be written (that pass is the floor of any skip); the rest is XLA
-recomputing the new moments inside the parameter pass.  In time that is +3 to
-+7% (the check alone +3 to +5%), against +27-39% for a ``cond``.  When the
-step *donates* the optimizer state (``jax.jit(..., donate_argnums=...)``), XLA
-copies every moment before updating it in place, because the parameter pass
-still reads the old moments: 1.37x the bytes and +24% in time (``--donate``);
-a ``cond`` costs about as much there, and no formulation tried (barriers,
-bitwise selects, recomputing the state after the update) avoids the copies.
+The skip is a select, not a ``jax.lax.cond``, made where the state is
+computed: the inner update is traced to a jaxpr and run equation by equation,
+and each value that becomes a leaf of the new inner state is replaced, as soon
+as it is computed, by ``select(finite, new, old)``; every later use, the
+updates included, reads the selected value, and the updates are then
+``where(finite, u, -0.0)``.  On a finite step every select passes the new value,
+so updates and state are the inner optimizer's values (compiled, to rounding:
+XLA fuses the two programs differently); on a skipped step the state is the old
+one bit for bit and the updates are thrown away.  XLA fuses the selects
+into the optimizer's own passes, and Adam's parameter pass reads the selected
+moments, the buffers written anyway.  Selecting only the outputs (the previous
+implementation) left that pass reading the unselected new moments, which XLA
+recomputed from the gradients and the old moments, and under donation
+(``jax.jit(..., donate_argnums=...)``) XLA copied every moment before updating
+it in place: 1.14x the unscaled step's bytes, 1.37x and nine more buffer copies
+when donated.  Now the compiled step is the unscaled one plus the finiteness
+check, with and without donation: for the float16 MLP 1024-4096-1024 with AdamW
+(``tests/jax/bench_loss_scaling.py``; ``tests/jax/test_compiled_cost.py``
+holds the bounds) 1.084x the bytes, no array copied, no more temporaries, the
+donated state aliased in place; +3.5 to +5.3% in CPU time (wall +4 to +8%, on a
+loaded machine; docs/jax_loss_scaling.md), against +34 to +49% before.  That check is the floor XLA:CPU leaves: the
+select needs the flag before anything is written, so every gradient is read
+once more (1.056x here), and XLA:CPU writes ``is_finite`` of each gradient as
+a bool per element and reads it back in a ``reduce-window``, fusing no producer
+into the reduction (0.028x); sums of ``g * 0``, ``max(abs(g))``, integer maxima
+of the bit patterns and matrix-vector products with zeros all cost as much or
+more (see ``docs/jax_loss_scaling.md``).
 The skipped update is ``-0.0``, not ``+0.0``: ``p + (-0.0)`` is
 ``p`` bit for bit for every ``p``, while ``-0.0 + 0.0`` is ``+0.0``.  On a
 non-finite step the inner update does see the infs and NaNs (its NaN updates
@@ -58,15 +68,23 @@ Rules for composing it:
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from mpx.scaling import ScalerConfig
 from mpx_jax.casting import is_floating_array
 from mpx_jax.loss_scale import LossScale, all_finite, select_tree
+
+try:  # jax >= 0.4.30
+    from jax.extend import core as jcore
+except ImportError:  # pragma: no cover
+    from jax import core as jcore  # type: ignore[no-redef]
 
 __all__ = ["LossScalingState", "get_loss_scale", "with_loss_scaling"]
 
@@ -85,6 +103,108 @@ def _skip_where(finite: jax.Array, u: Any) -> Any:
     return jnp.where(finite, u, jnp.asarray(-0.0, u.dtype))
 
 
+def _keep(finite: jax.Array, new: Any, old: Any) -> Any:
+    """``new`` on a finite step, else ``old`` (one state leaf; shapes and dtypes must agree)."""
+    return select_tree(finite, {"x": new}, {"x": old})["x"]
+
+
+#: Call primitives whose body is run inline, so state computed inside them is kept at its definition too.
+_INLINE_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call"})
+
+
+def _bind(eqn: Any, invals: Sequence[Any]) -> list[Any]:
+    bp = eqn.primitive.get_bind_params(eqn.params)
+    if isinstance(bp, tuple):  # jax < 0.7: (subfuns, params)
+        subfuns, bp = bp
+        out = eqn.primitive.bind(*subfuns, *invals, **bp)
+    else:
+        out = eqn.primitive.bind(*invals, **bp)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _run_keeping(
+    jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], keep: dict[Any, Any], finite: jax.Array
+) -> list[Any]:
+    """Evaluate ``jaxpr``; each variable in ``keep`` becomes ``select(finite, value, keep[var])`` where it
+    is defined, so every later use (the updates included) reads the selected value."""
+    env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+
+    def read(v: Any) -> Any:
+        return v.val if isinstance(v, jcore.Literal) else env[v]
+
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        body = eqn.params.get("jaxpr") if eqn.primitive.name in _INLINE_CALLS else None
+        ctx = getattr(getattr(eqn, "ctx", None), "manager", None) or contextlib.nullcontext()
+        with ctx:
+            # inlined only where it computes kept state (run as one call elsewhere, as the inner update
+            # would run it: an eager jit call compiles its body as a whole)
+            if (
+                isinstance(body, jcore.ClosedJaxpr)
+                and not body.effects
+                and any(v in keep for v in eqn.outvars)
+            ):
+                inner = {iv: keep[ov] for iv, ov in zip(body.jaxpr.outvars, eqn.outvars, strict=True)
+                         if ov in keep and not isinstance(iv, jcore.Literal)}  # fmt: skip
+                outs = _run_keeping(body.jaxpr, body.consts, invals, inner, finite)
+            else:
+                outs = _bind(eqn, invals)
+        for v, x in zip(eqn.outvars, outs, strict=True):
+            env[v] = _keep(finite, x, keep[v]) if v in keep else x
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _kept_update(
+    inner: Any, finite: jax.Array, grads: Any, state: Any, params: Any, extra: dict[str, Any]
+) -> Any:
+    """``inner.update(grads, state, params, **extra)`` with its new state kept (old on a skipped step)
+    *where each state value is computed*, and its updates ``-0.0`` on a skipped step.
+
+    The updates then read the selected state, the buffer that is written anyway: Adam's parameter pass
+    reads the new moments (as an unscaled step does) instead of recomputing them from the gradients and
+    the old moments, and under donation nothing reads the old moments after they are overwritten, so
+    XLA updates them in place with no copies.  On a finite step every selected value is the new one, so
+    the updates are the inner optimizer's; on a skipped step they are thrown away.
+    """
+    args = (grads, state, params, extra)
+    leaves, treedef = jax.tree_util.tree_flatten(args)
+    traced = [isinstance(x, (jax.Array, np.ndarray, np.generic)) for x in leaves]
+    dynamic = [x for x, t in zip(leaves, traced, strict=True) if t]
+
+    def flat_update(*dyn: Any) -> Any:
+        it = iter(dyn)
+        full = [next(it) if t else x for x, t in zip(leaves, traced, strict=True)]
+        g, s, p, e = jax.tree_util.tree_unflatten(treedef, full)
+        return inner.update(g, s, p, **e)
+
+    closed, out_shape = jax.make_jaxpr(flat_update, return_shape=True)(*dynamic)
+    out_tree = jax.tree_util.tree_structure(out_shape)
+    n_updates = len(jax.tree_util.tree_leaves(out_shape[0]))
+    old = jax.tree_util.tree_leaves(state)
+    state_vars = closed.jaxpr.outvars[n_updates:]
+    new_state_tree = jax.tree_util.tree_structure(out_shape[1])
+    if new_state_tree != jax.tree_util.tree_structure(state):
+        raise ValueError(
+            f"with_loss_scaling: the inner update returned a state of structure {new_state_tree}, "
+            f"not that of the state it was given, {jax.tree_util.tree_structure(state)}."
+        )
+    defined = {v for eqn in closed.jaxpr.eqns for v in eqn.outvars}
+    owners: dict[Any, list[int]] = {}
+    for i, v in enumerate(state_vars):
+        if not isinstance(v, jcore.Literal) and v in defined:
+            owners.setdefault(v, []).append(i)
+    # a value returned as two state leaves has two old values: it is selected at the output only
+    keep = {v: old[ix[0]] for v, ix in owners.items() if len(ix) == 1}
+    outs = _run_keeping(closed.jaxpr, closed.consts, dynamic, keep, finite)
+    updates = [_skip_where(finite, u) for u in outs[:n_updates]]
+    new_state = [
+        x if (not isinstance(v, jcore.Literal) and v in keep) else _keep(finite, x, o)
+        for v, x, o in zip(state_vars, outs[n_updates:], old, strict=True)
+    ]
+    return jax.tree_util.tree_unflatten(out_tree, updates + new_state)
+
+
 def with_loss_scaling(
     tx: optax.GradientTransformation,
     config: ScalerConfig | None = None,
@@ -100,6 +220,11 @@ def with_loss_scaling(
             dynamic, 2**16, growth every 2000 finite steps, floor 1, ceiling 2**24).
         axis_name: a mapped axis name (or tuple of names) of ``pmap``/``shard_map``
             over which the finite flag is reduced, so all replicas agree.
+
+    The returned ``update`` also takes ``loss=`` (the step's loss or scaled
+    loss; consumed, not forwarded): with ``config.max_consecutive_skips`` set,
+    stuck detection then says whether the loss itself was non-finite
+    (:mod:`mpx_jax.history`).
 
     Returns:
         A transformation whose state is a :class:`LossScalingState`.
@@ -122,21 +247,28 @@ def with_loss_scaling(
                 f"state: expected the LossScalingState made by this transformation's init, got {type(state).__name__}."
             )
         loss_scale = state.loss_scale
-        # XLA fuses the unscaling into the check's reduction and into the optimizer's elementwise update
-        finite = all_finite(loss_scale.unscale(updates))
+        loss = extra_args.pop("loss", None)  # for stuck detection only (mpx_jax.history); never forwarded
+        # With a scale >= 1 unscaling cannot overflow a finite gradient, so the scaled gradients are
+        # tested as they come: XLA:CPU runs the check as its own pass over every gradient, and with the
+        # unscaling fused into it that pass took ~20% of a float16 MLP step's CPU time, against ~3%
+        # (tests/jax/bench_loss_scaling.py; same bytes).  A scale that can drop below 1 tests the
+        # unscaled gradients.
+        unscaled = loss_scale.unscale(updates)
+        finite = all_finite(unscaled if cfg.scale_can_drop_below_one else updates)
         if axis_name is not None:
             bad = jax.lax.psum(jnp.logical_not(finite).astype(jnp.int32), axis_name)
             finite = bad == 0
 
-        new_updates, new_inner = inner.update(
-            loss_scale.unscale(updates), state.inner_state, params, **extra_args
-        )
         if cfg.skip_nonfinite:
-            # a select, not a cond (see the module docs): -0.0 leaves every parameter bit-identical,
+            # selects, not a cond (see the module docs): -0.0 leaves every parameter bit-identical,
             # and the NaN updates and moments of a non-finite step are never read
-            new_updates = jax.tree_util.tree_map(lambda u: _skip_where(finite, u), new_updates)
-            new_inner = select_tree(finite, new_inner, state.inner_state)
-        return new_updates, LossScalingState(inner_state=new_inner, loss_scale=loss_scale.update(finite))
+            new_updates, new_inner = _kept_update(
+                inner, finite, unscaled, state.inner_state, params, extra_args
+            )
+        else:
+            new_updates, new_inner = inner.update(unscaled, state.inner_state, params, **extra_args)
+        loss_finite = None if loss is None or cfg.max_consecutive_skips is None else all_finite(loss)
+        return new_updates, LossScalingState(inner_state=new_inner, loss_scale=loss_scale.update(finite, loss_finite))
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

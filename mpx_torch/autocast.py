@@ -25,7 +25,7 @@ import contextlib
 import copy
 import functools
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -43,6 +43,7 @@ from mpx import (
     warn_if_slow,
     widest_dtype,
 )
+from mpx_torch._compile import compiling as _compiling
 from mpx_torch._ops import FUNCTIONS, PROMOTE_EXCEPT_HALF_MIX, RUNNING_STATS
 
 __all__ = ["autocast", "candidate_device_types", "to_torch_dtype"]
@@ -62,13 +63,21 @@ def to_torch_dtype(name: Any) -> torch.dtype:
     return _TORCH_DTYPES[canonical_dtype(name)]
 
 
+def _default_device_type() -> str:
+    """``torch.get_default_device().type``, in a form dynamo traces (no scan of the mode stack)."""
+    if _compiling():
+        context = getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None)
+        return "cpu" if context is None else torch.device(context.device).type
+    try:
+        return torch.get_default_device().type
+    except AttributeError:  # torch < 2.3
+        return "cpu"
+
+
 def candidate_device_types() -> tuple[str, ...]:
     """The device types ``device_type=None`` autocasts: the CPU, the default device, CUDA if available."""
     types = ["cpu"]
-    try:
-        default = torch.get_default_device().type
-    except AttributeError:  # torch < 2.3
-        default = "cpu"
+    default = _default_device_type()
     if default not in types:
         types.append(default)
     if "cuda" not in types and torch.cuda.is_available():
@@ -113,6 +122,23 @@ def _set_autocast_enabled(device_type: str, enabled: bool) -> None:
             torch.set_autocast_cpu_enabled(enabled)
         else:
             torch.set_autocast_enabled(enabled)
+
+
+@contextlib.contextmanager
+def _autocast_all(devices: tuple[str, ...], **kwargs: Any) -> Iterator[None]:
+    """``torch.autocast(device, **kwargs)`` for every device, nested (the form dynamo traces natively)."""
+    if not devices:
+        yield
+        return
+    with torch.autocast(devices[0], **kwargs), _autocast_all(devices[1:], **kwargs):
+        yield
+
+
+def _autocast_off(devices: tuple[str, ...]) -> Any:
+    """A context that turns autocast off on ``devices``: the flag in eager mode, ``torch.autocast`` compiled."""
+    if _compiling():
+        return _autocast_all(devices, enabled=False)
+    return _no_autocast(devices)
 
 
 class _no_autocast:
@@ -188,7 +214,7 @@ def _call_cast(
         if isinstance(old, torch.Tensor) and new is not old:
             write_back.append((old, new))
     if devices:
-        with _no_autocast(devices):
+        with _autocast_off(devices):
             out = func(*new_args, **new_kwargs)
     else:
         out = func(*new_args, **new_kwargs)
@@ -234,7 +260,7 @@ def _lower_handler(compute: torch.dtype, devices: tuple[str, ...], input_only: b
             return func(*args, **kwargs)
         if input_only:  # batch_norm: the input lowers, float32 weights and running stats stay (mixed BN)
             args = (_cast(args[0], pick), *args[1:]) if args else args
-            with _no_autocast(devices):
+            with _autocast_off(devices):
                 return func(*args, **kwargs)
         return _call_cast(func, args, kwargs, pick, devices)
 
@@ -250,7 +276,7 @@ def _promote_handler(devices: tuple[str, ...] | None) -> _Handler:
         if len(dtypes) <= 1 or not dtypes <= names.keys():
             if devices is None:
                 return func(*args, **kwargs)
-            with _no_autocast(devices):
+            with _autocast_off(devices):
                 return func(*args, **kwargs)
         widest = _TORCH_DTYPES[widest_dtype([names[d] for d in dtypes])]
         return _call_cast(
@@ -270,7 +296,7 @@ def _passthrough_handler(devices: tuple[str, ...]) -> _Handler:
     def handler(func: Callable, args: tuple, kwargs: dict) -> Any:
         first = next(iter(_floating((*args, *kwargs.values()))), None)
         if first is None:
-            with _no_autocast(devices):
+            with _autocast_off(devices):
                 return func(*args, **kwargs)
         target = first.dtype
         return _call_cast(
@@ -345,7 +371,8 @@ class _MPXMode(TorchFunctionMode):
 
 
 class _ThreadState(threading.local):
-    mode: _MPXMode | None = None
+    def __init__(self) -> None:  # per thread; an instance attribute keeps dynamo's guard on it stable
+        self.mode: _MPXMode | None = None
 
 
 _state = _ThreadState()
@@ -382,8 +409,11 @@ class autocast(contextlib.ContextDecorator):
     active autocast region (mpx's or torch's): there it turns autocast off and
     computes half-precision inputs of LOWER and FLOAT32 ops in float32.
 
-    Usable as a decorator.  Raises :class:`mpx.PolicyError` for a bad spec and
-    :class:`mpx.MPXError` for a bad ``device_type``.
+    Usable as a decorator.  Traceable by ``torch.compile`` (``fullgraph=True``
+    works; the region becomes ``torch.autocast`` blocks and the mode's casts
+    in the graph, as native autocast; see docs/compile.md).  Raises
+    :class:`mpx.PolicyError` for a bad spec and :class:`mpx.MPXError` for a
+    bad ``device_type``.
     """
 
     def __init__(
@@ -396,9 +426,10 @@ class autocast(contextlib.ContextDecorator):
     ) -> None:
         self.policy = get_policy(policy)
         self.device_types = _device_types(device_type)
-        named = self.device_types if device_type is not None else (torch.get_default_device().type,)
-        for device in named:
-            warn_if_slow("torch", self.policy, device, stacklevel=3)
+        named = self.device_types if device_type is not None else (_default_device_type(),)
+        if not _compiling():  # traced code warns nothing: the eager call (or prepare) did
+            for device in named:
+                warn_if_slow("torch", self.policy, device, stacklevel=3)
         if op_table is None:
             op_table = OP_TABLE
         if not isinstance(op_table, OpTable):
@@ -410,9 +441,12 @@ class autocast(contextlib.ContextDecorator):
         self._frames: list[tuple | None] = []
 
     def _build_table(self) -> dict[Callable, _Handler]:
+        lowering, float32 = _lowering_table, _float32_table
+        if _compiling():  # dynamo traces the builders themselves (it ignores lru_cache, with a warning)
+            lowering, float32 = lowering.__wrapped__, float32.__wrapped__  # type: ignore[attr-defined]
         if self.policy.lowers_precision:
-            return _lowering_table(self.policy, self.op_table, self.device_types)
-        return _float32_table(self.op_table)
+            return lowering(self.policy, self.op_table, self.device_types)
+        return float32(self.op_table)
 
     def __getstate__(self) -> dict[str, Any]:  # handlers are closures: rebuilt on unpickling
         return {k: v for k, v in self.__dict__.items() if k not in ("_table", "_frames")}
@@ -429,6 +463,8 @@ class autocast(contextlib.ContextDecorator):
 
     def _enter(self) -> tuple | None:
         """Enter the region; returns the frame that :meth:`_exit` undoes (None: nothing was done)."""
+        if _compiling():
+            return self._enter_traced()
         mode = _state.mode
         casts: list[Any] = []
         disabled: tuple[str, ...] = ()
@@ -459,9 +495,50 @@ class autocast(contextlib.ContextDecorator):
         mode.table = self._table
         return (casts, disabled, mode, False, previous)
 
+    def _enter_traced(self) -> tuple | None:
+        """:meth:`_enter` under dynamo: the same region as ``with`` blocks of ``torch.autocast`` and the mode."""
+        mode = _state.mode
+        disabled: tuple[str, ...] = ()
+        if not self.policy.lowers_precision:
+            disabled = tuple(dev for dev in self.device_types if _autocast_enabled(dev))
+            if mode is None and not disabled and not self._region:
+                return None
+        region = self._traced_region(mode, disabled)
+        region.__enter__()
+        return (region,)
+
+    @contextlib.contextmanager
+    def _traced_region(self, mode: _MPXMode | None, disabled: tuple[str, ...]) -> Iterator[None]:
+        if self.policy.lowers_precision:
+            kwargs: dict[str, Any] = {"dtype": _TORCH_DTYPES[self.policy.compute_dtype]}
+            if self.cache_enabled is not None:
+                kwargs["cache_enabled"] = self.cache_enabled
+            casts = _autocast_all(self.device_types, **kwargs)
+        else:
+            casts = _autocast_all(disabled, enabled=False)
+        with casts:
+            if mode is None:
+                mode = _MPXMode(self._table)
+                with mode:
+                    _state.mode = mode
+                    try:
+                        yield
+                    finally:
+                        _state.mode = None
+            else:
+                previous = mode.table
+                mode.table = self._table
+                try:
+                    yield
+                finally:
+                    mode.table = previous
+
     @staticmethod
     def _exit(frame: tuple | None) -> None:
         if frame is None:
+            return
+        if len(frame) == 1:  # a traced region
+            frame[0].__exit__(None, None, None)
             return
         casts, disabled, mode, owned, previous = frame
         if owned:

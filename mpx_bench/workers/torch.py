@@ -151,7 +151,7 @@ def _from_parameter(t: torch.Tensor) -> bool:
 
 class Runner:
     def __init__(self, net: nn.Module, x: torch.Tensor, y: torch.Tensor, loss: Any, ctx: Any, scaler: Any,
-                 device: torch.device) -> None:  # fmt: skip
+                 device: torch.device, compile: bool = False) -> None:  # fmt: skip
         self.net, self.x, self.y, self.loss, self.ctx, self.scaler, self.device = (
             net,
             x,
@@ -163,6 +163,11 @@ class Runner:
         )
         fused = device.type == "cuda"
         self.opt = torch.optim.AdamW(net.parameters(), lr=1e-4, **({"fused": True} if fused else {}))
+        # --compile: the whole step under torch.compile (inductor); dynamo's counters, read around each
+        # of this runner's steps, give its compiles, graphs and breaks (configurations run one at a time)
+        self.compiled = torch.compile(self._body) if compile else None
+        self.compile_stats = {"frames_compiled": 0, "graphs": 0, "graph_breaks": 0, "steps": 0,
+                              "frames_compiled_after_warmup": 0}  # fmt: skip
 
     def forward_loss(self) -> torch.Tensor:
         with self.ctx():
@@ -170,7 +175,32 @@ class Runner:
             return self.loss(out.float(), self.y)
 
     def step(self) -> None:
+        if self.compiled is None:
+            self._step()
+        else:
+            from torch._dynamo.utils import counters
+
+            self.opt.zero_grad(set_to_none=True)  # eager: dynamo skips zero_grad (a break at the top)
+
+            before = (counters["frames"]["total"], counters["stats"]["unique_graphs"],
+                      sum(counters["graph_break"].values()))  # fmt: skip
+            self.compiled()
+            stats = self.compile_stats
+            frames = counters["frames"]["total"] - before[0]
+            stats["frames_compiled"] += frames
+            stats["graphs"] += counters["stats"]["unique_graphs"] - before[1]
+            stats["graph_breaks"] += sum(counters["graph_break"].values()) - before[2]
+            if stats["steps"] >= 1:
+                stats["frames_compiled_after_warmup"] += frames
+            stats["steps"] += 1
+        _sync(self.device)
+
+    def _step(self) -> None:
         self.opt.zero_grad(set_to_none=True)
+        self._body()
+
+    def _body(self) -> None:
+        """The step after ``zero_grad``: forward, loss, backward (scaled), optimizer step, scaler update."""
         loss = self.forward_loss()
         if self.scaler is not None:
             self.scaler.scale(loss).backward()
@@ -179,7 +209,6 @@ class Runner:
         else:
             loss.backward()
             self.opt.step()
-        _sync(self.device)
 
     def measure(self) -> dict[str, Any]:
         saved: dict[tuple[int, int], int] = {}
@@ -209,6 +238,16 @@ class Runner:
             "traces_per_step": 0,
             "traces_note": "eager: nothing is traced or compiled",
         }
+        if self.compiled is not None:
+            stats = self.compile_stats
+            out.update(stats)
+            out["traces_total"] = stats["frames_compiled"]
+            out["traces_per_step"] = stats["frames_compiled_after_warmup"] / max(1, stats["steps"] - 1)
+            out["traces_note"] = (
+                f"torch.compile (inductor): {stats['frames_compiled']} frames compiled, {stats['graphs']} graphs, "
+                f"{stats['graph_breaks']} graph breaks, {stats['frames_compiled_after_warmup']} compiles after "
+                "the first step; activations measured eagerly"
+            )
         if self.device.type == "cuda":
             out["host_syncs_per_step"] = self._count_syncs()
         return out
@@ -228,12 +267,31 @@ class Runner:
         return sum("synchroniz" in str(w.message) for w in caught)
 
 
-def configs(model: str, size: str, policies: list[str], device: str, slow: dict[str, str]) -> list[Config]:
+def configs(model: str, size: str, policies: list[str], device: str, slow: dict[str, str],
+            compile: bool = False) -> list[Config]:  # fmt: skip
+    """The configurations to time; ``compile``: also ``native-compiled`` and ``mpx-compiled`` per policy."""
     dev = torch.device(device)
     base = build(model, size, dev)
 
-    def make(mode: str, policy: mpx.Policy | None) -> Any:
+    def make(full_mode: str, policy: mpx.Policy | None) -> Any:
+        mode = full_mode.removesuffix("-compiled")
+        compiled = full_mode != mode
+
         def build_runner() -> Runner:
+            runner = _build_runner()
+            if compiled:
+                import torch._dynamo
+
+                # every configuration compiles the same code objects (the step, the optimizer's) for its own
+                # objects in this one process: a limit of 8 per code would run later configurations eagerly
+                torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+                torch._dynamo.config.accumulated_recompile_limit = max(
+                    torch._dynamo.config.accumulated_recompile_limit, 4096
+                )
+                runner.compiled = torch.compile(runner._body)
+            return runner
+
+        def _build_runner() -> Runner:
             net, x, y, loss = copy.deepcopy(base[0]), base[1], base[2], base[3]
             if mode == "fp32" or policy is None:
                 return Runner(net, x, y, loss, contextlib.nullcontext, None, dev)
@@ -260,4 +318,11 @@ def configs(model: str, size: str, policies: list[str], device: str, slow: dict[
 
         return build_runner
 
-    return plan(policies, slow, make)
+    out = plan(policies, slow, make)
+    if compile:
+        out.append(Config("fp32-compiled", "float32", "fp32-compiled", make("fp32-compiled", None)))
+        for cfg in [c for c in out if c.mode == "native"]:  # each half-precision policy once
+            for mode in ("native-compiled", "mpx-compiled"):
+                out.append(Config(f"{cfg.policy}/{mode}", cfg.policy, mode,
+                                  make(mode, mpx.get_policy(cfg.policy)), cfg.skip))  # fmt: skip
+    return out

@@ -276,3 +276,119 @@ def test_axis_name_makes_replicas_agree():
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "OK" in proc.stdout
+
+
+def _twin():
+    # both state leaves come back as one value: each must still keep its own old value on a skip
+    def init(params):
+        return jnp.zeros([], jnp.int32), jnp.ones([], jnp.int32)
+
+    def update(updates, state, params=None):
+        n = state[0] + state[1]
+        return jax.tree_util.tree_map(lambda u: u * n.astype(u.dtype), updates), (n, n)
+
+    return optax.GradientTransformation(init, update)
+
+
+def _jitted(tx):
+    # an inner update that is itself a jit: its state is computed inside one call
+    return optax.GradientTransformation(tx.init, jax.jit(tx.update))
+
+
+INNER = {
+    "adamw": lambda: optax.adamw(1e-2),
+    "clip+adamw": lambda: optax.chain(optax.clip_by_global_norm(0.1), optax.adamw(1e-2)),
+    "lion": lambda: optax.lion(1e-3),
+    "nesterov": lambda: optax.sgd(1e-2, momentum=0.9, nesterov=True),
+    "inject_hyperparams": lambda: optax.inject_hyperparams(optax.adam)(learning_rate=1e-2),
+    "multisteps": lambda: optax.MultiSteps(optax.adam(1e-2), 2),
+    "jitted": lambda: _jitted(optax.adamw(1e-2)),
+    "twin": _twin,
+}
+
+
+def _grads(params, poison=1.0):
+    return jax.grad(lambda p: loss_fn(p, X, poison))(params)
+
+
+@pytest.mark.parametrize("name", list(INNER))
+def test_finite_steps_equal_the_inner_update(name):
+    # the state is selected where it is computed and the updates read the selected values: on a
+    # finite step those are the inner update's own values.  Compiled, the two programs agree to
+    # rounding only (XLA fuses them differently, and contracts multiply-adds differently); the
+    # integer state (step counts) is exact
+    inner = INNER[name]()
+    inner = inner.gradient_transformation() if isinstance(inner, optax.MultiSteps) else inner
+    tx = with_loss_scaling(inner, mpx.ScalerConfig(kind="static", init_scale=2.0**8))
+    ref_update, update = jax.jit(inner.update), jax.jit(tx.update)
+    params = init_params()
+    s_ref, s = inner.init(params), tx.init(params)
+    for _ in range(3):
+        g = _grads(params)
+        u_ref, s_ref = ref_update(g, s_ref, params)
+        u, s = update(jax.tree_util.tree_map(lambda x: x * 2.0**8, g), s, params)
+        close(u, u_ref)
+        close(s.inner_state, s_ref)
+        ints = [(a, b) for a, b in zip(*map(jax.tree.leaves, (s.inner_state, s_ref)), strict=True)
+                if not jnp.issubdtype(a.dtype, jnp.floating)]  # fmt: skip
+        assert all(a.dtype == b.dtype and np.array_equal(a, b) for a, b in ints)
+        params = optax.apply_updates(params, u)
+
+
+@pytest.mark.parametrize("name", list(INNER))
+def test_skipped_steps_keep_every_inner_state(name):
+    tx = with_loss_scaling(INNER[name](), mpx.ScalerConfig(growth_interval=3))
+    step = make_step(tx)
+    params = init_params()
+    state = tx.init(params)
+    params, state = step(params, state, 1.0)
+    for poison in (float("inf"), float("nan"), float("-inf")):
+        new_params, new_state = step(params, state, poison)
+        assert bits_equal(new_params, params)
+        assert bits_equal(new_state.inner_state, state.inner_state)
+        state = new_state
+        updates, _ = jax.jit(tx.update)(_grads(params, poison), state, params)
+        assert all(
+            np.all(np.asarray(u) == 0) and np.all(np.signbit(np.asarray(u))) for u in jax.tree.leaves(updates)
+        )
+    assert int(get_loss_scale(state).skipped_steps) == 3
+
+
+def test_inner_update_closing_over_traced_values():
+    # an optimizer built inside the jitted step, its learning rate a traced argument
+    @jax.jit
+    def step(params, inner_state, loss_scale, lr, poison):
+        tx = with_loss_scaling(optax.adam(lr))
+        state = LossScalingState(inner_state, loss_scale)
+        g = jax.grad(lambda p: loss_scale.scale(loss_fn(p, X, poison)))(params)
+        u, state = tx.update(g, state, params)
+        return optax.apply_updates(params, u), state
+
+    params = init_params()
+    state = with_loss_scaling(optax.adam(1e-2)).init(params)
+    p1, s1 = step(params, state.inner_state, state.loss_scale, jnp.float32(1e-2), 1.0)
+    ref_u, ref_s = optax.adam(1e-2).update(_grads(params), state.inner_state, params)
+    close(p1, optax.apply_updates(params, ref_u))
+    close(s1.inner_state, ref_s)
+    p2, s2 = step(p1, s1.inner_state, s1.loss_scale, jnp.float32(1e-2), float("inf"))
+    assert bits_equal(p2, p1) and bits_equal(s2.inner_state, s1.inner_state)
+
+
+@pytest.mark.parametrize(
+    "config, skipped",
+    [
+        (mpx.ScalerConfig(kind="static", init_scale=0.5, min_scale=None), True),  # 3e38 / 0.5 overflows
+        (mpx.ScalerConfig(init_scale=0.5, min_scale=0.25), True),
+        (mpx.ScalerConfig(kind="static", init_scale=1.0), False),  # a scale >= 1 cannot overflow it
+        (mpx.ScalerConfig(), False),
+    ],
+)
+def test_a_gradient_that_overflows_when_unscaled_is_skipped(config, skipped):
+    # with a scale >= 1 the scaled gradients are tested as they come (unscaling cannot overflow them);
+    # a scale that can drop below 1 has the unscaled ones tested
+    tx = with_loss_scaling(optax.sgd(1e-30), config)
+    params = {"w": jnp.ones(2)}
+    state = tx.init(params)
+    updates, state = jax.jit(tx.update)({"w": jnp.array([3e38, 1.0], jnp.float32)}, state, params)
+    assert int(get_loss_scale(state).skipped_steps) == int(skipped)
+    assert bool(jnp.all(updates["w"] == 0)) == skipped
