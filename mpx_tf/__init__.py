@@ -6,6 +6,9 @@
 >>> model = mpx_tf.apply_policy(model, "mixed_float16")
 >>> [layer.compute_dtype for layer in model.layers]
 ['float16', 'float32']
+>>> with mpx_tf.autocast("mixed_float16"):  # keras.ops / tf functions follow the op table
+...     keras.ops.softmax(keras.ops.ones((2, 3), dtype="float16")).dtype.name
+'float32'
 >>> optimizer = mpx_tf.LossScaleOptimizer(keras.optimizers.Adam())
 >>> optimizer.scale
 65536.0
@@ -26,6 +29,9 @@ if keras.config.backend() != "tensorflow":
         "set KERAS_BACKEND=tensorflow before keras is first imported"
     )
 
+from mpx_tf.autocast import autocast, autocast_op
+from mpx_tf.diagnostics import underflow_stats, watch
+from mpx_tf.history import ScalerHistoryCallback
 from mpx_tf.loss_scale_optimizer import LossScaleOptimizer
 from mpx_tf.policy import (
     NAME_PREFIX,
@@ -37,15 +43,22 @@ from mpx_tf.policy import (
     policy_scope,
     set_global_policy,
 )
+from mpx_tf.saving import load_model
 
 __all__ = [
     "LossScaleOptimizer",
+    "ScalerHistoryCallback",
+    "autocast",
+    "autocast_op",
     "NAME_PREFIX",
     "apply_policy",
     "category_of",
     "op_of",
     "get_global_policy",
+    "load_model",
     "keras_dtype_policy",
     "policy_scope",
     "set_global_policy",
+    "underflow_stats",
+    "watch",
 ]

@@ -21,9 +21,12 @@ import tensorflow as tf
 
 import mpx
 from mpx.errors import MPXError, PolicyError
+from mpx_tf.autocast import enable as _enable_autocast
+from mpx_tf.dtype_policy import NAME_PREFIX, cast_output, mpx_name
 
 __all__ = [
     "NAME_PREFIX",
+    "active_global_policy",
     "apply_policy",
     "category_of",
     "get_global_policy",
@@ -32,41 +35,6 @@ __all__ = [
     "policy_scope",
     "set_global_policy",
 ]
-
-
-#: The prefix of the Keras dtype-policy names mpx adds, as in ``"mpx:params=float16,compute=float32"``.
-NAME_PREFIX = "mpx:"
-
-
-def _install_name_parser() -> None:
-    """Teach ``keras.DTypePolicy`` the names ``"mpx:SPEC"`` (a pair Keras cannot name).
-
-    Keras names ``float32``, ``mixed_float16`` (float32 variables, float16
-    compute) and the like, but a pure-float16 mpx policy keeps its norms in
-    float32 over float16 parameters, which Keras cannot spell.  Keras turns a
-    layer's saved dtype policy back into a name and parses it with
-    ``DTypePolicy._parse_name``; extending that parser (for names Keras
-    would reject anyway, nothing else) lets such layers save and load as
-    plain ``DTypePolicy`` objects.  Loading them needs ``mpx_tf`` imported.
-    """
-    original = keras.DTypePolicy._parse_name
-    if getattr(original, "_mpx_tf", False):
-        return
-
-    def _parse_name(self: keras.DTypePolicy, name: Any) -> tuple[str, str]:
-        if isinstance(name, str) and name.startswith(NAME_PREFIX):
-            try:
-                policy = mpx.get_policy(name[len(NAME_PREFIX) :])
-            except PolicyError as err:
-                raise PolicyError(f"dtype policy name {name!r}: {err}") from None
-            return policy.compute_dtype, policy.param_dtype
-        return original(self, name)
-
-    _parse_name._mpx_tf = True  # type: ignore[attr-defined]
-    keras.DTypePolicy._parse_name = _parse_name  # type: ignore[method-assign]
-
-
-_install_name_parser()
 
 
 def keras_dtype_policy(policy: mpx.PolicySpec) -> keras.DTypePolicy:
@@ -119,7 +87,20 @@ def set_global_policy(policy: mpx.PolicySpec) -> mpx.Policy:
     mpx.warn_if_slow("tf", p, _device(), stacklevel=3)
     keras.config.set_dtype_policy(kp)
     _local.current = (p, keras.config.dtype_policy())
+    _enable_autocast()
     return p
+
+
+def active_global_policy() -> mpx.Policy | None:
+    """The policy :func:`set_global_policy` set, while Keras's global policy is still the one it set; else None.
+
+    This is the policy :func:`mpx_tf.autocast`'s op table falls back on
+    outside any ``autocast`` scope.
+    """
+    current = getattr(_local, "current", None)
+    if current is not None and current[1] is keras.config.dtype_policy():
+        return current[0]
+    return None
 
 
 def get_global_policy() -> mpx.Policy:
@@ -293,6 +274,8 @@ def apply_policy(model: keras.layers.Layer, policy: mpx.PolicySpec | None = None
         raise MPXError(f"model: expected a Keras model or layer, got {type(model).__name__}")
     p = get_global_policy() if policy is None else mpx.get_policy(policy)
     mpx.warn_if_slow("tf", p, _device(), stacklevel=3)
+    _enable_autocast()
+    outputs = {id(layer) for layer in _output_layers(model)}
     for path, layer in _walk(model):
         if layer is not model:
             _remove_output_cast(layer)
@@ -309,22 +292,45 @@ def apply_policy(model: keras.layers.Layer, policy: mpx.PolicySpec | None = None
                     f"stores params in {lp.param_dtype}; mpx_tf does not convert built variables: "
                     "create the model under mpx_tf.policy_scope(policy) (or set_global_policy) first"
                 )
-        layer.dtype_policy = keras_dtype_policy(lp)
+        autocast = None
         if category is not None:
             # Keras's LayerNormalization turns autocast off and rounds its output
             # through the input dtype; with it on, Keras casts the half inputs
             # up to the layer's compute dtype before call().
-            layer.autocast = True
+            autocast = True
         op = op_of(layer)
         if op is not None and mpx.OP_TABLE.classify(op, lp) in (mpx.OpClass.PASSTHROUGH, mpx.OpClass.PROMOTE):
             # Keras casts every layer's floating inputs to its compute dtype; the op
             # table says these ops keep their input dtype (or promote mixed inputs).
-            layer.autocast = False
+            autocast = False
+        if autocast is not None:
+            layer.autocast = autocast
+        # The policy's name carries what Keras does not save (the mpx policy, the
+        # autocast flag, the output dtype), so load_model restores all of it.
+        output = p.output_dtype if layer is model else None
+        model_output = p.output_dtype if id(layer) in outputs else None
+        layer.dtype_policy = keras.DTypePolicy(mpx_name(lp, autocast, output, model_output))
     _install_output_cast(model, p.output_dtype)
     for name in ("train_function", "test_function", "predict_function"):
         if getattr(model, name, None) is not None:  # traced under the old dtypes
             setattr(model, name, None)
     return model
+
+
+def _output_layers(model: keras.layers.Layer) -> list[keras.layers.Layer]:
+    """The layers whose outputs are a Sequential or functional model's outputs (Keras does not reload their root's dtype)."""
+    from keras.src.models.functional import Functional
+
+    if isinstance(model, keras.Sequential):
+        return model.layers[-1:]
+    if not isinstance(model, Functional):
+        return []
+    found = []
+    for tensor in keras.tree.flatten(model.outputs):
+        history = getattr(tensor, "_keras_history", None)
+        if history is not None and isinstance(history.operation, keras.layers.Layer):
+            found.append(history.operation)
+    return found
 
 
 # -- the output cast -------------------------------------------------------------------
@@ -336,13 +342,7 @@ _ORIGINAL_SPEC = "_mpx_original_compute_output_spec"
 
 
 def _cast_output(x: Any, dtype: str) -> Any:
-    if isinstance(x, (tf.Tensor, tf.Variable)) and x.dtype.is_floating and x.dtype.name != dtype:
-        mask = getattr(x, "_keras_mask", None)
-        y = tf.cast(x, dtype)
-        if mask is not None:
-            y._keras_mask = mask
-        return y
-    return x
+    return x if isinstance(x, keras.KerasTensor) else cast_output(x, dtype)
 
 
 def _cast_spec(x: Any, dtype: str) -> Any:

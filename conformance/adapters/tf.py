@@ -88,8 +88,6 @@ def _run_layer(p: dict, mode: str, upcast: bool = False) -> Any:
     """The op's layer under ``p["policy"]`` (natively or through mpx) on inputs of ``p["dtype"]``; with
     ``upcast``, a float32 layer on those inputs cast to float32 (the reference of ``run_op_value``)."""
     op = p["op"]
-    if op not in LAYERS:
-        raise Skip(f"no Keras layer computes {op!r}: Keras chooses dtypes per layer, not per op")
     make, shape, n = LAYERS[op]
     dtypes = [p["dtype"], p.get("other") or p["dtype"]][:n]
     inputs = [_x((4, *shape), d, seed=i) for i, d in enumerate(dtypes)]
@@ -108,13 +106,112 @@ def _run_layer(p: dict, mode: str, upcast: bool = False) -> Any:
     return _call(layer, op, inputs)
 
 
+def _group_norm(a: Any) -> Any:
+    g = keras.ops.reshape(a, (1, 6, 6, 2, 1))
+    mean, var = keras.ops.moments(g, axes=(1, 2, 4), keepdims=True)
+    return keras.ops.reshape((g - mean) * keras.ops.rsqrt(var + 1e-5), keras.ops.shape(a))
+
+
+def _nll(a: Any, target: Any) -> Any:
+    return -keras.ops.mean(keras.ops.take_along_axis(a, target[:, None], axis=-1))
+
+
+def _batch_norm(a: Any) -> Any:
+    mean, var = keras.ops.moments(a, axes=(0,))
+    return keras.ops.batch_normalization(a, mean, var, axis=-1, epsilon=1e-5)
+
+
+#: ops TensorFlow and Keras have no function for, written by hand: under mpx they are declared with
+#: mpx_tf.autocast_op (what a user does for such a function)
+COMPOSITES = {"group_norm": _group_norm, "nll_loss": _nll}
+
+
+def functions(op: str, dtype: str, other: str | None = None, upcast: bool = False, mode: str = "mpx"):
+    """``(fn, args)``: the canonical op as a ``keras.ops`` / ``keras.losses`` / ``tf`` function call on
+    inputs of ``dtype`` (``upcast``: those inputs cast to float32).  ``mode="mpx"`` declares the
+    composites with :func:`mpx_tf.autocast_op`."""
+    if mode == "mpx":
+        _mpx_tf()  # its dispatch wraps keras.ops and tf functions: import it before reading them
+
+    def t(shape, dt=dtype, seed=0, positive=False):
+        x = _x(shape, dt, seed) if not positive else tf.constant(op_input(shape, seed, True), dtype=dt)
+        return tf.cast(x, tf.float32) if upcast else x
+
+    x, y, w = t((4, 8)), t((4, 8), other or dtype, seed=1), t((6, 8), seed=2)
+    img = t((1, 6, 6, 2))
+    labels = tf.constant([0, 1, 2, 3])
+    target = tf.sigmoid(_x((4, 8), other or dtype, seed=1))  # probabilities, at the input dtype
+    target = tf.cast(target, tf.float32) if upcast else target
+    qkv = [t((1, 4, 2, 8), seed=s) for s in (6, 7, 8)]
+    composite = COMPOSITES.get(op)
+    if composite is not None and mode == "mpx":
+        composite = _mpx_tf().autocast_op(op)(composite)
+    table = {
+        "matmul": (keras.ops.matmul, (x, t((8, 3), seed=3))),
+        "linear": (lambda a, b: tf.matmul(a, b, transpose_b=True), (x, w)),
+        "conv": (lambda a, k: tf.nn.conv2d(a, k, 1, "VALID"), (img, t((3, 3, 2, 3), seed=4))),
+        "conv_transpose": (lambda a, k: keras.ops.conv_transpose(a, k, 1, "valid"), (img, t((3, 3, 3, 2), seed=4))),
+        "bmm": (tf.linalg.matmul, (t((2, 4, 8)), t((2, 8, 3), seed=5))),
+        "einsum": (lambda a, b: keras.ops.einsum("ij,kj->ik", a, b), (x, w)),
+        "attention": (keras.ops.dot_product_attention, tuple(qkv)),
+        "softmax": (lambda a: keras.ops.softmax(a, axis=-1), (x,)),
+        "log_softmax": (lambda a: tf.nn.log_softmax(a, axis=-1), (x,)),
+        "layer_norm": (lambda a: keras.ops.layer_normalization(a, epsilon=1e-5), (x,)),
+        "batch_norm": (_batch_norm, (x,)),
+        "group_norm": (composite, (img,)),
+        "rms_norm": (lambda a: keras.ops.rms_normalization(a, epsilon=1e-6), (x,)),
+        "cross_entropy": (lambda a: keras.losses.sparse_categorical_crossentropy(labels, a, from_logits=True), (x,)),
+        "nll_loss": (lambda a: composite(a, labels), (x,)),
+        "mse_loss": (lambda a, b: keras.losses.mean_squared_error(b, a), (x, y)),
+        "bce_with_logits": (lambda a, b: tf.nn.sigmoid_cross_entropy_with_logits(labels=b, logits=a), (x, target)),
+        "exp": (tf.exp, (x,)),
+        "log": (keras.ops.log, (t((4, 8), positive=True),)),
+        "pow": (lambda a: tf.pow(a, 2.5), (tf.abs(x),)),
+        "sum": (tf.reduce_sum, (x,)),
+        "mean": (keras.ops.mean, (x,)),
+        "cumsum": (lambda a: tf.cumsum(a, axis=0), (x,)),
+        "prod": (keras.ops.prod, (x,)),
+        "logsumexp": (lambda a: tf.reduce_logsumexp(a, axis=-1), (x,)),
+        "vector_norm": (keras.ops.norm, (x,)),
+        "add": (tf.add, (x, y)),
+        "mul": (keras.ops.multiply, (x, y)),
+        "cat": (lambda a, b: tf.concat([a, b], 0), (x, y)),
+        "stack": (lambda a, b: keras.ops.stack([a, b]), (x, y)),
+        "where": (lambda a, b: tf.where(a > 0, a, b), (x, y)),
+        "relu": (tf.nn.relu, (x,)),
+        "gelu": (keras.ops.gelu, (x,)),
+        "max_pool": (lambda a: tf.nn.max_pool2d(a, 2, 2, "VALID"), (img,)),
+        "reshape": (lambda a: tf.reshape(a, (8, 4)), (x,)),
+        "transpose": (keras.ops.transpose, (x,)),
+        "dropout": (lambda a: tf.nn.dropout(a, 0.5, seed=0), (x,)),
+        "embedding": (lambda table: keras.ops.take(table, tf.constant([0, 2, 1]), axis=0), (w,)),
+    }  # fmt: skip
+    return table[op]
+
+
+def _run_function(p: dict, mode: str, upcast: bool = False) -> Any:
+    fn, args = functions(p["op"], p["dtype"], p.get("other"), upcast=upcast, mode=mode)
+    if mode == "native" or upcast:
+        return fn(*args)
+    with _mpx_tf().autocast(p["policy"]):
+        return fn(*args)
+
+
+def _run(p: dict, mode: str, upcast: bool = False) -> Any:
+    """Ops a Keras layer computes run as that layer (natively under Keras's policy, under mpx after
+    ``apply_policy``); the others as ``keras.ops``/``tf`` functions (under mpx in ``mpx_tf.autocast``)."""
+    if p["op"] in LAYERS:
+        return _run_layer(p, mode, upcast)
+    return _run_function(p, mode, upcast)
+
+
 def run_op(p: dict, mode: str) -> dict:
-    return {"dtype": dtype_name(_run_layer(p, mode).dtype)}
+    return {"dtype": dtype_name(_run(p, mode).dtype)}
 
 
 def run_op_value(p: dict, mode: str) -> dict:
-    out = _run_layer(p, mode)
-    ref = _run_layer(p, mode, upcast=True)
+    out = _run(p, mode)
+    ref = _run(p, mode, upcast=True)
     return {"max_rel_error": rel_error(np.asarray(out, np.float64), np.asarray(ref, np.float64))}
 
 
@@ -183,6 +280,34 @@ def run_scaler_trace(p: dict, mode: str) -> dict:
         opt = _optimizer(mode, cfg, keras.optimizers.SGD(0.1))
     scales, skipped = _train_flags(opt, p["flags"])
     return {"scales": scales, "skipped": skipped}
+
+
+def run_stuck(p: dict, mode: str) -> dict:
+    """Issue 18's stuck detection, in a traced step: the step that raises and the cause it names."""
+    from conformance.cases import stuck_cause
+
+    if mode == "native":
+        raise Skip("keras.optimizers.LossScaleOptimizer has no stuck detection")
+    w = keras.Variable(np.ones(3, np.float32), name="w")
+    opt = _optimizer(mode, mpx.ScalerConfig.from_dict(p["config"]), keras.optimizers.SGD(0.1))
+    opt.build([w])
+
+    @tf.function
+    def step(kind):
+        with tf.GradientTape() as tape:
+            plain = tf.reduce_sum(w * tf.where(kind == 2, np.float32(np.inf), np.float32(1.0)))
+            loss = tf.cond(kind == 1, lambda: tf.reduce_sum(tf.sqrt(w - tf.stop_gradient(w))), lambda: plain)
+            scaled = opt.scale_loss(loss)
+        opt.apply(tape.gradient(scaled, [w]), [w])
+
+    for i, kind in enumerate(p["steps"], 1):
+        try:
+            step(tf.constant({"ok": 0, "grad": 1, "loss": 2}[kind]))
+        except tf.errors.InvalidArgumentError as e:  # the ScalerStuckError, re-raised by TensorFlow
+            if "ScalerStuckError" not in str(e):
+                raise
+            return {"raised_at": i, "cause": stuck_cause(str(e))}
+    return {"raised_at": None, "cause": None}
 
 
 def run_skip(p: dict, mode: str) -> dict:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import doctest
+import sys
 from typing import ClassVar
 
 import keras
@@ -12,6 +13,7 @@ import tensorflow as tf
 
 import mpx
 import mpx_tf
+import mpx_tf.dtype_policy
 import mpx_tf.loss_scale_optimizer
 import mpx_tf.policy
 from mpx_tf.policy import category_of, keras_dtype_policy
@@ -20,7 +22,9 @@ L = keras.layers
 MIXED = ["mixed_float16", "mixed_bfloat16"]
 
 
-@pytest.mark.parametrize("module", [mpx_tf, mpx_tf.policy, mpx_tf.loss_scale_optimizer])
+@pytest.mark.parametrize(
+    "module", [mpx_tf, mpx_tf.policy, mpx_tf.loss_scale_optimizer, mpx_tf.dtype_policy, sys.modules["mpx_tf.autocast"]]
+)
 def test_doctests(module):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.failed == 0
@@ -273,7 +277,10 @@ def test_apply_policy_on_models(kind, spec):
             continue
         expected = "float32" if category_of(layer) else half
         assert layer.compute_dtype == expected, path
-        assert layer.dtype_policy.name == keras_dtype_policy(policy.for_module(path, category_of(layer))).name
+        lp = policy.for_module(path, category_of(layer))
+        kp = keras_dtype_policy(lp)
+        assert (layer.compute_dtype, layer.variable_dtype) == (kp.compute_dtype, kp.variable_dtype), path
+        assert mpx_tf.dtype_policy.choices_of(layer.dtype_policy).policy == lp, path
     # the dotted paths are the names down the nesting
     if kind != "functional":
         assert "encoder.ln" in by_path and "encoder.proj" in by_path
@@ -334,7 +341,7 @@ def test_pure_half_policies(spec, half, tmp_path):
         model = keras.Sequential([keras.Input((6,)), L.Dense(8, name="d"), L.LayerNormalization(name="ln")])
     mpx_tf.apply_policy(model, spec)
     ln = model.get_layer("ln")
-    assert ln.dtype_policy.name == f"mpx:params={half},compute=float32"
+    assert ln.dtype_policy.name == f"mpx:params={half},compute=float32,output=float32;autocast=on;model_output={half}"
     assert (ln.compute_dtype, ln.variable_dtype) == ("float32", half)
     assert all(w.dtype == half for w in model.weights)
     assert ln(tf.ones((2, 8), half)).dtype == "float32"

@@ -1,0 +1,374 @@
+"""The mpx op table for functional Keras/TensorFlow code: ``keras.ops``, ``keras.losses``, ``tf.*``.
+
+Keras chooses dtypes per layer, not per op: a custom layer that calls
+``keras.ops.softmax`` on float16 inputs gets a float16 softmax whatever the
+policy says.  :func:`autocast` is a scope in which the public ``keras.ops.*``,
+``keras.losses.*`` functions and the matching ``tf.*``, ``tf.math.*``,
+``tf.nn.*`` and ``tf.linalg.*`` functions follow :data:`mpx.OP_TABLE`:
+
+- LOWER ops (matmul, einsum, conv, attention) compute in the compute dtype;
+- FLOAT32 ops (softmax, norms, losses, exp/log/pow, reductions, cumsum,
+  logsumexp) cast half-precision inputs to float32 and return float32;
+- PROMOTE ops (add, multiply, concatenate, stack, where) return the widest
+  floating input; PASSTHROUGH ops are not touched.
+
+The mechanism is Python-level dispatch: mpx_tf replaces those functions in
+their public namespaces (once, at import) by thin wrappers that, when a policy
+is active and the call comes from user code, cast the floating arguments and
+call the original.  Calls from Keras's and TensorFlow's own modules (a Keras
+``Dense`` calling ``tf.matmul``) pass straight through, so Keras's layers keep
+following their dtype policies.  The wrappers only run in Python: inside
+``tf.function`` (and so in ``model.fit``) they run once, at trace time, and
+the traced graph holds nothing but the casts.
+
+Which policy applies, innermost first:
+
+1. the innermost Keras layer being called, if :func:`mpx_tf.apply_policy`
+   gave it its mpx policy (so any layer's ``call`` follows the table, even
+   after ``keras.models.load_model``);
+2. the innermost :func:`autocast` scope;
+3. the policy set by :func:`mpx_tf.set_global_policy` (while Keras's global
+   policy is still the one it set), except inside a layer whose compute
+   dtype differs from it (a layer created with ``dtype="float32"``).
+
+A policy whose compute dtype is not half precision changes nothing.  The
+choice is made at trace time: a ``tf.function`` traced under one policy keeps
+its casts when later called under another (trace it again to change them).
+
+>>> import keras
+>>> x = keras.ops.ones((2, 3), dtype="float16")
+>>> with autocast("mixed_float16"):
+...     keras.ops.softmax(x).dtype.name, keras.ops.matmul(keras.ops.ones((2, 3)), keras.ops.ones((3, 2))).dtype.name
+('float32', 'float16')
+>>> keras.ops.softmax(x).dtype.name
+'float16'
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import keras
+import tensorflow as tf
+from keras.src.backend.common import global_state  # the layer name-scope stack
+
+import mpx
+from mpx.errors import MPXError
+from mpx.ops import OpClass
+from mpx_tf.dtype_policy import choices_of
+
+__all__ = ["KERAS_OPS", "LOSS_FUNCTIONS", "TF_OPS", "autocast", "autocast_op", "wrapped_functions"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_LOWER_KERAS = {
+    "matmul": "matmul", "dot": "matmul", "tensordot": "matmul", "einsum": "einsum",
+    "conv": "conv", "depthwise_conv": "conv", "separable_conv": "conv",
+    "conv_transpose": "conv_transpose", "dot_product_attention": "attention",
+}  # fmt: skip
+_FLOAT32_KERAS = {
+    "softmax": "softmax", "log_softmax": "log_softmax",
+    "layer_normalization": "layer_norm", "rms_normalization": "rms_norm",
+    "batch_normalization": "batch_norm", "moments": "mean",
+    "exp": "exp", "expm1": "exp", "log": "log", "log1p": "log", "log2": "log", "log10": "log",
+    "power": "pow", "sum": "sum", "mean": "mean", "var": "mean", "std": "mean",
+    "cumsum": "cumsum", "prod": "prod", "cumprod": "prod", "logsumexp": "logsumexp", "norm": "vector_norm",
+    "categorical_crossentropy": "cross_entropy", "sparse_categorical_crossentropy": "cross_entropy",
+    "binary_crossentropy": "bce_with_logits",
+}  # fmt: skip
+_PROMOTE_KERAS = {"add": "add", "multiply": "mul", "concatenate": "cat", "stack": "stack", "where": "where"}
+
+#: ``keras.ops`` function name -> canonical op (the same names in ``keras.ops.nn/numpy/linalg``).
+KERAS_OPS: dict[str, str] = {**_LOWER_KERAS, **_FLOAT32_KERAS, **_PROMOTE_KERAS}
+
+#: ``keras.losses`` function name -> canonical op (every loss is in the ``loss`` category).
+LOSS_FUNCTIONS: dict[str, str] = {
+    "categorical_crossentropy": "cross_entropy",
+    "sparse_categorical_crossentropy": "cross_entropy",
+    "categorical_focal_crossentropy": "cross_entropy",
+    "binary_crossentropy": "bce_with_logits",
+    "binary_focal_crossentropy": "bce_with_logits",
+    **{
+        name: "mse_loss"
+        for name in (
+            "mean_squared_error", "mean_absolute_error", "mean_absolute_percentage_error",
+            "mean_squared_logarithmic_error", "huber", "log_cosh", "kl_divergence", "poisson",
+            "hinge", "squared_hinge", "categorical_hinge", "cosine_similarity",
+        )
+    },
+}  # fmt: skip
+
+#: ``"module.name"`` under ``tf`` -> canonical op.
+TF_OPS: dict[str, str] = {
+    **{f"{m}.matmul": "matmul" for m in ("", "linalg")},
+    **{f"{m}.einsum": "einsum" for m in ("", "linalg")},
+    **{f"{m}.tensordot": "matmul" for m in ("", "linalg")},
+    "linalg.matvec": "matmul",
+    **{f"nn.{n}": "conv" for n in ("conv1d", "conv2d", "conv3d", "convolution", "depthwise_conv2d", "separable_conv2d")},
+    **{f"nn.{n}": "conv_transpose" for n in ("conv1d_transpose", "conv2d_transpose", "conv3d_transpose", "conv_transpose")},
+    **{f"{m}.softmax": "softmax" for m in ("nn", "math")},
+    **{f"{m}.log_softmax": "log_softmax" for m in ("nn", "math")},
+    **{f"{m}.exp": "exp" for m in ("", "math")},
+    "math.expm1": "exp",
+    **{f"{m}.log": "log" for m in ("", "math")},
+    "math.log1p": "log",
+    **{f"{m}.pow": "pow" for m in ("", "math")},
+    **{f"{m}.reduce_sum": "sum" for m in ("", "math")},
+    **{f"{m}.reduce_mean": "mean" for m in ("", "math")},
+    "math.reduce_variance": "mean", "math.reduce_std": "mean",
+    **{f"{m}.cumsum": "cumsum" for m in ("", "math")},
+    **{f"{m}.reduce_prod": "prod" for m in ("", "math")},
+    "math.cumprod": "prod",
+    **{f"{m}.reduce_logsumexp": "logsumexp" for m in ("", "math")},
+    **{f"{m}.norm": "vector_norm" for m in ("", "linalg")},
+    "math.reduce_euclidean_norm": "vector_norm", "nn.l2_normalize": "vector_norm", "math.l2_normalize": "vector_norm",
+    "nn.softmax_cross_entropy_with_logits": "cross_entropy",
+    "nn.sparse_softmax_cross_entropy_with_logits": "cross_entropy",
+    "nn.sigmoid_cross_entropy_with_logits": "bce_with_logits",
+    "nn.weighted_cross_entropy_with_logits": "bce_with_logits",
+    "nn.l2_loss": "mse_loss",
+    "nn.moments": "mean", "nn.batch_normalization": "batch_norm",
+    **{f"{m}.add": "add" for m in ("", "math")},
+    **{f"{m}.multiply": "mul" for m in ("", "math")},
+    "concat": "cat", "stack": "stack", "where": "where",
+}  # fmt: skip
+
+# Calls from these modules pass through: Keras's layers and TF's internals keep their own dtypes.
+_FRAMEWORK_MODULES = ("keras.", "tensorflow.", "tf_keras.")
+# tf.function's and AutoGraph's machinery between a caller and a wrapper: looked through
+_TRACING = (
+    "tensorflow.python.autograph",
+    "tensorflow.python.eager",
+    "tensorflow.python.framework",
+    "tensorflow.python.util",
+)
+_HALF = frozenset({"float16", "bfloat16"})
+
+_local = threading.local()
+# True once a policy could be active anywhere (an autocast scope, apply_policy,
+# set_global_policy): until then every wrapper is one flag test and the call.
+_enabled = False
+
+
+def enable() -> None:
+    """Switch the wrappers on (mpx_tf calls this when a policy first becomes active)."""
+    global _enabled
+    _enabled = True
+
+
+def _stack() -> list[mpx.Policy]:
+    stack = getattr(_local, "stack", None)
+    if stack is None:
+        stack = _local.stack = []
+    return stack
+
+
+@contextlib.contextmanager
+def autocast(policy: mpx.PolicySpec) -> Iterator[mpx.Policy]:
+    """A scope in which ``keras.ops``, ``keras.losses`` and ``tf`` functions follow the op table.
+
+    Works eagerly, around ``tf.function`` tracing and around ``model.fit``
+    (which traces its step inside the scope).  Nested scopes: the innermost
+    wins.  Layers given an mpx policy by :func:`mpx_tf.apply_policy` use
+    their own policy inside their ``call``.  Yields the mpx policy.
+
+    Raises:
+        PolicyError: for a spec :func:`mpx.get_policy` cannot read.
+    """
+    p = mpx.get_policy(policy)
+    enable()
+    stack = _stack()
+    stack.append(p)
+    try:
+        yield p
+    finally:
+        stack.pop()
+
+
+def _innermost_layer() -> Any:
+    names = global_state.get_global_attribute("name_scope_stack")
+    if names:
+        for scope in reversed(names):
+            caller = getattr(scope, "caller", None)
+            if isinstance(caller, keras.layers.Layer):
+                return caller
+    return None
+
+
+def _active_policy() -> mpx.Policy | None:
+    layer = _innermost_layer()
+    if layer is not None:
+        own = choices_of(layer.dtype_policy)
+        if own is not None:
+            return own.policy
+    stack = getattr(_local, "stack", None)
+    if stack:
+        return stack[-1]
+    from mpx_tf.policy import active_global_policy
+
+    g = active_global_policy()
+    if g is None or (layer is not None and layer.compute_dtype != g.compute_dtype):
+        return None
+    return g
+
+
+def _from_user_code(depth: int) -> bool:
+    frame = sys._getframe(depth + 1)
+    name = frame.f_globals.get("__name__", "")
+    while name.startswith(_TRACING) and frame.f_back is not None:
+        frame = frame.f_back
+        name = frame.f_globals.get("__name__", "")
+    return not name.startswith(_FRAMEWORK_MODULES)
+
+
+def _dtype_of(x: Any) -> str | None:
+    if isinstance(x, (tf.Tensor, tf.Variable, keras.KerasTensor, keras.Variable)):
+        dtype = keras.backend.standardize_dtype(x.dtype)
+        return dtype if keras.backend.is_float_dtype(dtype) else None
+    return None
+
+
+def _cast(x: Any, dtype: str) -> Any:
+    if isinstance(x, keras.KerasTensor):
+        return keras.ops.cast(x, dtype)
+    return tf.cast(x, dtype)
+
+
+def _map_tensors(fn: Callable[[Any], Any], args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def one(x: Any) -> Any:
+        if isinstance(x, (list, tuple)):
+            return type(x)(fn(v) for v in x)
+        return fn(x)
+
+    return tuple(one(a) for a in args), {k: one(v) for k, v in kwargs.items()}
+
+
+def _retype(cls: OpClass, policy: mpx.Policy, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    if cls is OpClass.PASSTHROUGH:
+        return args, kwargs
+    if cls is OpClass.LOWER:
+        target = policy.compute_dtype
+
+        def fn(x: Any) -> Any:
+            d = _dtype_of(x)
+            return _cast(x, target) if d in ("float32", *_HALF) and d != target else x
+
+        return _map_tensors(fn, args, kwargs)
+    if cls is OpClass.FLOAT32:
+        return _map_tensors(lambda x: _cast(x, "float32") if _dtype_of(x) in _HALF else x, args, kwargs)
+    dtypes: list[str] = []
+    _map_tensors(lambda x: dtypes.append(d) if (d := _dtype_of(x)) else None, args, kwargs)
+    if len(set(dtypes)) < 2:
+        return args, kwargs
+    widest = mpx.widest_dtype(dtypes)
+    return _map_tensors(lambda x: _cast(x, widest) if _dtype_of(x) not in (None, widest) else x, args, kwargs)
+
+
+@functools.lru_cache(maxsize=512)
+def _op_class(op: str, policy: mpx.Policy) -> OpClass | None:
+    if not policy.lowers_precision:
+        return None
+    return mpx.OP_TABLE.classify(op, policy)
+
+
+def _call(op: str, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    policy = _active_policy()
+    cls = None if policy is None else _op_class(op, policy)
+    if cls is None:
+        return original(*args, **kwargs)
+    args, kwargs = _retype(cls, policy, args, kwargs)
+    _local.depth = 1
+    try:
+        out = original(*args, **kwargs)
+    finally:
+        _local.depth = 0
+    if cls is OpClass.LOWER:
+        # Keras's matmul of float16 inputs computes and returns float32 on CPU: round to the compute dtype
+        target = policy.compute_dtype
+        out = keras.tree.map_structure(lambda y: _cast(y, target) if _dtype_of(y) == "float32" else y, out)
+    return out
+
+
+def _wrap(original: Callable[..., Any], op: str) -> Callable[..., Any]:
+    mpx.OP_TABLE[op]  # an unknown op raises here, at import
+
+    @functools.wraps(original)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if not _enabled or getattr(_local, "depth", 0) or not _from_user_code(1):
+            return original(*args, **kwargs)
+        return _call(op, original, args, kwargs)
+
+    wrapper._mpx_op = op  # type: ignore[attr-defined]
+    wrapper._mpx_original = original  # type: ignore[attr-defined]
+    return tf.autograph.experimental.do_not_convert(wrapper)
+
+
+def autocast_op(op: str) -> Callable[[F], F]:
+    """Make a function of yours follow the class of ``op`` in the op table (a decorator).
+
+    For computations Keras and TensorFlow have no function for (an NLL loss
+    written by hand, say): under an active policy the function's floating
+    tensor arguments are cast as ``op``'s class says, and mpx leaves the
+    ``keras.ops``/``tf`` calls inside it alone.
+
+    >>> @autocast_op("nll_loss")
+    ... def nll(log_probs, target):
+    ...     picked = keras.ops.take_along_axis(log_probs, target[:, None], axis=-1)
+    ...     return -keras.ops.mean(picked)
+
+    Raises:
+        MPXError: for an op the op table does not know.
+    """
+    if not isinstance(op, str) or op not in mpx.OP_TABLE:
+        raise MPXError(f"op: {op!r} is not in the op table; known ops: {', '.join(sorted(mpx.OP_TABLE))}")
+
+    def decorate(fn: F) -> F:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if not _enabled or getattr(_local, "depth", 0):
+                return fn(*args, **kwargs)
+            return _call(op, fn, args, kwargs)
+
+        wrapper._mpx_op = op  # type: ignore[attr-defined]
+        return tf.autograph.experimental.do_not_convert(wrapper)  # type: ignore[return-value]
+
+    return decorate
+
+
+_WRAPPED: list[tuple[Any, str, Callable[..., Any]]] = []
+
+
+def _install(module: Any, name: str, op: str) -> None:
+    original = getattr(module, name, None)
+    if original is None or getattr(original, "_mpx_op", None) is not None:
+        return
+    setattr(module, name, _wrap(original, op))
+    _WRAPPED.append((module, name, original))
+
+
+def _install_all() -> None:
+    for module in (keras.ops, keras.ops.nn, keras.ops.numpy, keras.ops.linalg):
+        for name, op in KERAS_OPS.items():
+            if hasattr(module, name):
+                _install(module, name, op)
+    for name, op in LOSS_FUNCTIONS.items():
+        _install(keras.losses, name, op)
+    for dotted, op in TF_OPS.items():
+        path, _, name = dotted.rpartition(".")
+        module = tf
+        for part in filter(None, path.split(".")):
+            module = getattr(module, part)
+        _install(module, name, op)
+
+
+def wrapped_functions() -> list[str]:
+    """The names of the functions mpx_tf dispatches, as ``"keras.ops.softmax"``, ``"tf.nn.softmax"``."""
+    return [f"{getattr(m, '__name__', m)}.{n}" for m, n, _ in _WRAPPED]
+
+
+_install_all()
