@@ -144,6 +144,34 @@ def scaler_cases() -> list[Case]:
     return out
 
 
+#: Stuck detection (issue 18): (id, steps, expected).  A step is "ok" (finite), "grad" (a finite loss whose
+#: gradients are inf at every scale: sqrt(w - w)) or "loss" (an inf loss).  With max_consecutive_skips=3 the
+#: scaler raises mpx.ScalerStuckError at the 3rd skip in a row, not before, saying why.
+STUCK_CONFIG = {"init_scale": 4.0, "min_scale": 1.0, "max_consecutive_skips": 3}
+STUCK_CASES: list[tuple[str, list[str], dict, str]] = [
+    ("gradients_at_min_scale", ["grad", "ok", "grad", "grad", "grad", "grad"], {"raised_at": 5, "cause": "min_scale"},
+     "finite loss, inf gradients: raises at the 3rd skip in a row (a finite step resets the count), "
+     "saying the gradients overflow at the minimum scale"),
+    ("nonfinite_loss", ["grad", "grad", "loss", "loss"], {"raised_at": 3, "cause": "loss"},
+     "raises at the 3rd skip in a row, saying the forward loss itself is non-finite"),
+]  # fmt: skip
+
+
+def stuck_cause(message: str) -> str:
+    """The cause a stuck message names: ``loss``, ``min_scale`` or ``other``."""
+    if "forward loss itself is non-finite" in message:
+        return "loss"
+    return "min_scale" if "overflow at the minimum scale" in message else "other"
+
+
+def stuck_cases() -> list[Case]:
+    return [
+        _case("scaler", f"stuck.{id_}", "stuck", {"config": mpx.ScalerConfig(**STUCK_CONFIG).to_dict(), "steps": steps},
+              expected, words)
+        for id_, steps, expected, words in STUCK_CASES
+    ]  # fmt: skip
+
+
 SKIP_OPTIMIZERS = ("adam", "sgd_momentum")
 
 
@@ -224,7 +252,8 @@ def portability_cases() -> list[Case]:
 
 
 def all_cases() -> list[Case]:
-    return policy_cases() + op_cases() + scaler_cases() + skip_cases() + numeric_cases() + portability_cases()
+    return (policy_cases() + op_cases() + scaler_cases() + stuck_cases() + skip_cases() + numeric_cases()
+            + portability_cases())  # fmt: skip
 
 
 def saved_prefix_state() -> dict:

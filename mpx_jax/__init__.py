@@ -11,10 +11,13 @@ only jax and optax).
 
 from mpx_jax.autocast import autocast
 from mpx_jax.casting import cast_to_compute, cast_to_output, cast_to_param, cast_tree
+from mpx_jax.diagnostics import find_nonfinite, underflow_stats
+from mpx_jax.history import HistoryRecorder
 from mpx_jax.loss_scale import LossScale, all_finite, select_tree
 from mpx_jax.transform import LossScalingState, get_loss_scale, with_loss_scaling
 
 __all__ = [
+    "HistoryRecorder",
     "LossScale",
     "LossScalingState",
     "all_finite",
@@ -23,7 +26,9 @@ __all__ = [
     "cast_to_output",
     "cast_to_param",
     "cast_tree",
+    "find_nonfinite",
     "get_loss_scale",
     "select_tree",
+    "underflow_stats",
     "with_loss_scaling",
 ]

@@ -8,7 +8,18 @@
 """
 
 from mpx_torch.autocast import autocast, to_torch_dtype
+from mpx_torch.diagnostics import underflow_stats, watch
 from mpx_torch.grad_scaler import GradScaler
+from mpx_torch.history import log_history
 from mpx_torch.prepare import module_category, prepare
 
-__all__ = ["GradScaler", "autocast", "module_category", "prepare", "to_torch_dtype"]
+__all__ = [
+    "GradScaler",
+    "autocast",
+    "log_history",
+    "module_category",
+    "prepare",
+    "to_torch_dtype",
+    "underflow_stats",
+    "watch",
+]

@@ -219,6 +219,38 @@ def run_scaler_trace(p: dict, mode: str) -> dict:
     return {"scales": scales, "skipped": skipped}
 
 
+def run_stuck(p: dict, mode: str) -> dict:
+    """Issue 18's stuck detection, in a jitted step: the step that raises and the cause it names."""
+    from conformance.cases import stuck_cause
+
+    if mode == "native":
+        raise Skip("jmp / optax have no stuck detection")
+    mj = _mpx_jax()
+    tx = mj.with_loss_scaling(optax.sgd(0.1), mpx.ScalerConfig.from_dict(p["config"]))
+    params = {"w": jnp.ones(3)}
+    state = tx.init(params)
+    branches = [lambda q: jnp.sum(q["w"]), lambda q: jnp.sum(jnp.sqrt(q["w"] - jax.lax.stop_gradient(q["w"]))),
+                lambda q: jnp.sum(q["w"] * jnp.inf)]  # fmt: skip
+
+    @jax.jit
+    def step(prm, s, kind):
+        ls = mj.get_loss_scale(s)
+        scaled, g = jax.value_and_grad(lambda q: ls.scale(jax.lax.switch(kind, branches, q)))(prm)
+        u, s = tx.update(g, s, prm, loss=scaled)
+        return optax.apply_updates(prm, u), s
+
+    for i, kind in enumerate(p["steps"], 1):
+        try:
+            params, state = step(params, state, jnp.int32({"ok": 0, "grad": 1, "loss": 2}[kind]))
+            jax.block_until_ready(state)
+            jax.effects_barrier()
+        except (mpx.ScalerStuckError, jax.errors.JaxRuntimeError) as e:  # jit re-raises it as JaxRuntimeError
+            if "ScalerStuckError" not in str(e) and not isinstance(e, mpx.ScalerStuckError):
+                raise
+            return {"raised_at": i, "cause": stuck_cause(str(e))}
+    return {"raised_at": None, "cause": None}
+
+
 def run_skip(p: dict, mode: str) -> dict:
     inner = optax.adam(1e-2) if p["optimizer"] == "adam" else optax.sgd(1e-2, momentum=0.9)
     params = {"w": jnp.asarray(op_input((4, 2), 3)), "b": jnp.zeros(2)}

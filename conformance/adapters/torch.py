@@ -183,6 +183,30 @@ def run_scaler_trace(p: dict, mode: str) -> dict:
     return {"scales": scales, "skipped": skipped}
 
 
+def run_stuck(p: dict, mode: str) -> dict:
+    """Issue 18's stuck detection: the step that raises mpx.ScalerStuckError and the cause it names."""
+    from conformance.cases import stuck_cause
+
+    if mode == "native":
+        raise Skip("torch.amp.GradScaler has no stuck detection")
+    scaler = _scaler(mode, mpx.ScalerConfig.from_dict(p["config"]))
+    w = nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([w], lr=0.1)
+    for i, step in enumerate(p["steps"], 1):
+        opt.zero_grad()
+        if step == "grad":
+            loss = torch.sqrt(w - w.detach()).sum()
+        else:
+            loss = (w * flag_gradient(step == "ok")).sum()
+        try:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        except mpx.ScalerStuckError as e:
+            return {"raised_at": i, "cause": stuck_cause(str(e))}
+    return {"raised_at": None, "cause": None}
+
+
 def _snapshot(model: nn.Module, opt: torch.optim.Optimizer) -> list[bytes]:
     tensors = [t.detach() for t in model.state_dict().values()]
     for state in opt.state_dict()["state"].values():

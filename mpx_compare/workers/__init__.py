@@ -1,0 +1,1 @@
+"""One module per backend (``torch``, ``tf``, ``jax``); each imports only its own framework."""

@@ -1,0 +1,160 @@
+"""Core of issue 18 items 4-5: stuck detection fields and decision, ScalerHistory, ``mpx history plot``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import mpx
+from mpx.cli import main
+from mpx.scaling import COUNTER_MAX
+from mpx.stuck import is_stuck, signal_stuck, stuck_message
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# -- config fields ---------------------------------------------------------------------
+@pytest.mark.parametrize("bad", [0, -1, COUNTER_MAX + 1, 2.0, True, "3"])
+def test_max_consecutive_skips_is_bounded(bad) -> None:
+    with pytest.raises(
+        mpx.ScalerConfigError, match=r"max_consecutive_skips: expected None or an int in \[1, 2\*\*31 - 1\]"
+    ):
+        mpx.ScalerConfig(max_consecutive_skips=bad)
+
+
+@pytest.mark.parametrize("bad", ["raises", None, 1])
+def test_on_stuck_values(bad) -> None:
+    with pytest.raises(mpx.ScalerConfigError, match="on_stuck: .* allowed: raise, warn"):
+        mpx.ScalerConfig(on_stuck=bad)
+
+
+def test_defaults_and_state_dict_round_trip() -> None:
+    cfg = mpx.ScalerConfig()
+    assert cfg.max_consecutive_skips is None and cfg.on_stuck == "raise"
+    cfg = mpx.ScalerConfig(max_consecutive_skips=COUNTER_MAX, on_stuck="warn")
+    scaler = mpx.LossScaler(cfg)
+    scaler.update(False)
+    data = json.loads(json.dumps(scaler.state_dict()))
+    assert data["config"]["max_consecutive_skips"] == COUNTER_MAX and data["config"]["on_stuck"] == "warn"
+    assert mpx.load_state_dict(data)[0] == cfg
+
+
+def test_older_dicts_without_the_keys_load_with_detection_off() -> None:
+    data = mpx.LossScaler(mpx.ScalerConfig(growth_interval=7)).state_dict()
+    for key in ("max_consecutive_skips", "on_stuck"):
+        del data["config"][key]
+    cfg, _ = mpx.load_state_dict(data)
+    assert cfg == mpx.ScalerConfig(growth_interval=7)
+
+
+# -- the decision ------------------------------------------------------------------------
+@given(n=st.integers(1, 6), k=st.integers(0, 40))
+def test_is_stuck_at_multiples_of_n_only(n: int, k: int) -> None:
+    assert is_stuck(mpx.ScalerConfig(max_consecutive_skips=n), k) == (k > 0 and k % n == 0)
+    assert not is_stuck(mpx.ScalerConfig(), k)
+    assert not is_stuck(mpx.ScalerConfig(kind="none", max_consecutive_skips=n), k)  # never skips
+
+
+def _state(scale: float, k: int) -> mpx.ScalerState:
+    return mpx.ScalerState(scale, consecutive_nonfinite=k, steps=k, skipped_steps=k)
+
+
+def test_messages() -> None:
+    cfg = mpx.ScalerConfig(max_consecutive_skips=4, min_scale=2.0)
+    assert stuck_message(cfg, _state(2.0, 3), False) is None
+    loss = stuck_message(cfg, _state(2.0, 4), False)
+    assert loss.startswith("loss scaler stuck: 4 steps in a row skipped (max_consecutive_skips=4), scale 2: ")
+    assert "forward loss itself is non-finite" in loss and "no loss scale can help" in loss
+    at_min = stuck_message(cfg, _state(2.0, 4), True)
+    assert "the loss is finite and the gradients overflow at the minimum scale (2)" in at_min
+    unknown = stuck_message(cfg, _state(2.0, 4), None)
+    assert "of unknown finiteness" in unknown and "minimum scale (2)" in unknown
+    backing = stuck_message(cfg, _state(64.0, 8), True)
+    assert "backs off toward min_scale (2)" in backing
+    static = mpx.ScalerConfig(kind="static", init_scale=8.0, max_consecutive_skips=1)
+    assert "minimum scale (8)" in stuck_message(static, _state(8.0, 1), True)
+
+
+def test_signal_stuck_modes() -> None:
+    signal_stuck(mpx.ScalerConfig(), None)  # nothing
+    with pytest.raises(mpx.ScalerStuckError, match="boom") as info:
+        signal_stuck(mpx.ScalerConfig(max_consecutive_skips=1), "boom")
+    assert isinstance(info.value, mpx.MPXError)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        signal_stuck(mpx.ScalerConfig(max_consecutive_skips=1, on_stuck="warn"), "boom")
+    assert [(c.category, str(c.message)) for c in caught] == [(mpx.ScalerStuckWarning, "boom")]
+
+
+# -- history -------------------------------------------------------------------------------
+@settings(max_examples=50, deadline=None)
+@given(flags=st.lists(st.booleans(), max_size=60), interval=st.integers(1, 4), hysteresis=st.integers(1, 3))
+def test_reference_history_follows_scaler_update(flags, interval, hysteresis) -> None:
+    cfg = mpx.ScalerConfig(init_scale=16.0, growth_interval=interval, hysteresis=hysteresis, max_scale=64.0)
+    h = mpx.ScalerHistory.reference(cfg, flags)
+    s = mpx.scaler_init(cfg)
+    for i, finite in enumerate(flags):
+        before = s
+        s = mpx.scaler_update(cfg, s, finite)
+        assert h.steps[i] == i + 1 and h.scale[i] == s.scale
+        assert h.skipped[i] == (s.skipped_steps > before.skipped_steps)
+        assert h.growth[i] == (finite and s.growth_tracker == 0)
+        assert h.backoff[i] == ((not finite) and s.consecutive_nonfinite >= hysteresis)
+    assert mpx.ScalerHistory.from_dict(json.loads(json.dumps(h.to_dict()))) == h
+
+
+def test_growth_and_backoff_count_capped_steps() -> None:
+    cfg = mpx.ScalerConfig(init_scale=2.0, growth_interval=1, max_scale=2.0, min_scale=2.0)
+    h = mpx.ScalerHistory.reference(cfg, [True, False])
+    assert h.scale == [2.0, 2.0] and h.growth == [True, False] and h.backoff == [False, True]
+    none = mpx.ScalerHistory.reference(mpx.ScalerConfig(kind="none"), [True, False])
+    assert none.scale == [1.0, 1.0] and none.skipped == none.growth == none.backoff == [False, False]
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [({"format": "x"}, "format"), ({"steps": [1]}, "same length"), ({"scale": [1.0, -1.0]}, "scale"),
+     ({"skipped": [0, 1]}, "skipped"), ({"steps": [0, 1]}, "steps"), ({"config": {"kind": "x"}}, "config")],
+)  # fmt: skip
+def test_from_dict_rejects(change, match) -> None:
+    data = {**mpx.ScalerHistory.reference(mpx.ScalerConfig(), [True, False]).to_dict(), **change}
+    with pytest.raises(mpx.HistoryError, match=match):
+        mpx.ScalerHistory.from_dict(data)
+
+
+def test_save_load(tmp_path) -> None:
+    h = mpx.ScalerHistory.reference(mpx.ScalerConfig(growth_interval=2), [True] * 5)
+    assert mpx.ScalerHistory.load(h.save(tmp_path / "h.json")) == h
+    (tmp_path / "bad.json").write_text("{", encoding="utf-8")
+    with pytest.raises(mpx.HistoryError, match="not a JSON scaler history"):
+        mpx.ScalerHistory.load(tmp_path / "bad.json")
+
+
+# -- mpx history plot ---------------------------------------------------------------------------
+def test_plot_writes_a_png(tmp_path, capsys) -> None:
+    path = mpx.ScalerHistory.reference(mpx.ScalerConfig(growth_interval=2), [True, True, False]).save(
+        tmp_path / "h.json"
+    )
+    assert main(["history", "plot", str(path), "--out", str(tmp_path / "t.png")]) == 0
+    assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "3 steps, 1 skipped" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("content", [None, "not json", '{"format": "mpx.scaler_history/1"}'])
+def test_plot_bad_file_exits_2_without_traceback(tmp_path, content) -> None:
+    path = tmp_path / "h.json"
+    if content is not None:
+        path.write_text(content, encoding="utf-8")
+    proc = subprocess.run([sys.executable, "-m", "mpx", "history", "plot", str(path)], cwd=ROOT,
+                          capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("mpx history: ") and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert not path.with_suffix(".png").exists()
