@@ -1,7 +1,12 @@
 """``mpx conformance``: run every backend's worker in its own process and write the reports.
 
 Exit status: 0 when every mpx result passes, 1 when one fails (or a backend
-crashed), 2 for bad usage.
+crashed), 2 for bad usage (an unknown backend, an ``--only`` that matches no case,
+an ``--out`` that cannot be written), checked before any framework starts.
+
+Reports are written atomically (:func:`conformance.report.write_all`): a run that
+crashes, matches nothing or loses a backend's worker never replaces an earlier
+report in ``--out``; a run whose worker crashed writes to ``OUT.failed`` instead.
 """
 
 from __future__ import annotations
@@ -9,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -30,9 +36,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--out", type=Path, default=Path("mpx-report"), help="report folder (default: mpx-report)"
     )
     parser.add_argument(
-        "--only", default=None, metavar="PREFIX", help="run only cases whose id starts with PREFIX"
-    )
+        "--only", default=None, metavar="PREFIX[,PREFIX...]",
+        help="run only cases whose id starts with one of these comma-separated prefixes (scaler,numerics.mlp)",
+    )  # fmt: skip
     parser.add_argument("--quiet", action="store_true", help="no progress display")
+
+
+def matches(case_id: str, only: str | None) -> bool:
+    """Whether ``case_id`` starts with one of the comma-separated prefixes of ``only`` (None: every case)."""
+    return not only or any(case_id.startswith(p.strip()) for p in only.split(",") if p.strip())
+
+
+def selected(only: str | None) -> list[C.Case]:
+    """The cases ``--only`` selects."""
+    return [c for c in C.all_cases() if matches(c["id"], only)]
 
 
 def _skip_rows(backend: str, why: str, only: str | None) -> list[dict]:
@@ -47,16 +64,43 @@ def _skip_rows(backend: str, why: str, only: str | None) -> list[dict]:
             "observed": None,
             "detail": why,
         }
-        for c in C.all_cases()
-        if not only or c["id"].startswith(only)
+        for c in selected(only)
         for mode in MODES
     ]
 
 
+class NothingToRun(ValueError):
+    """``--only`` selects no case."""
+
+
 def run(backends: list[str], out: Path, only: str | None = None, quiet: bool = False) -> dict:
-    """Run the suite and return the report dict (also written to ``out``)."""
+    """Run the suite and return the report dict, written to ``out`` (``OUT.failed`` when a worker crashed).
+
+    Raises:
+        NothingToRun: when ``only`` matches no case (before any worker starts).
+        OSError: when ``out`` cannot be written (before any worker starts).
+    """
+    if not selected(only):
+        raise NothingToRun(f"--only {only!r} matches no case; case ids start with {', '.join(C.GROUPS)}")
+    staging = report.prepare_out(out)
+    try:
+        data = _run(backends, only, quiet)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    crashed = any(r["case"] == "worker" for r in data["results"])
+    target = out.with_name(out.name + ".failed") if crashed else out
+    if crashed:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging = report.prepare_out(target)
+    report.write_all(data, target, staging)
+    data["out"] = str(target)
+    return data
+
+
+def _run(backends: list[str], only: str | None, quiet: bool) -> dict:
     installed = [b for b in backends if is_installed(b)]
-    per_backend = sum(1 for c in C.all_cases() if not only or c["id"].startswith(only)) * len(MODES)
+    per_backend = len(selected(only)) * len(MODES)
     total, done = per_backend * len(installed), 0
     progress = Progress(quiet)
     started = time.monotonic()
@@ -124,14 +168,9 @@ def run(backends: list[str], out: Path, only: str | None = None, quiet: bool = F
         "machine": platform.machine(),
         "seconds": round(time.monotonic() - started, 1),
         "backends": meta,
-        "cases": {
-            c["id"]: {"group": c["group"], "spec": c["spec"]}
-            for c in C.all_cases()
-            if not only or c["id"].startswith(only)
-        },
+        "cases": {c["id"]: {"group": c["group"], "spec": c["spec"], "params": c["params"]} for c in selected(only)},
         "results": results,
     }
-    report.write_all(data, out)
     return data
 
 
@@ -147,8 +186,19 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"mpx conformance: {err}", file=sys.stderr)
         return 2
-    data = run(names, args.out, only=args.only, quiet=args.quiet)
+    try:
+        data = run(names, args.out, only=args.only, quiet=args.quiet)
+    except NothingToRun as err:
+        print(f"mpx conformance: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:
+        why = str(err) if len(err.args) == 1 else err.strerror  # ours carry one message; the OS's an errno
+        print(f"mpx conformance: --out {args.out}: cannot write there ({why})", file=sys.stderr)
+        return 2
     print(report.terminal(data))
-    print(f"reports: {args.out / 'report.json'}, {args.out / 'report.md'}, {args.out / 'report.html'}")
+    out = Path(data["out"])
+    if out != args.out:
+        print(f"mpx conformance: a worker crashed; {args.out} is left as it was", file=sys.stderr)
+    print(f"reports: {out / 'report.json'}, {out / 'report.md'}, {out / 'report.html'}")
     failed = [r for r in data["results"] if r["mode"] == "mpx" and r["status"] == "fail"]
     return 1 if failed else 0

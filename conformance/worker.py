@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("backend", choices=sorted(BACKENDS))
     parser.add_argument("--states", type=Path, default=None)
     parser.add_argument("--save-states", action="store_true")
-    parser.add_argument("--only", default=None, help="run only cases whose id starts with this")
+    parser.add_argument("--only", default=None, help="run only cases whose id starts with one of these "
+                        "comma-separated prefixes")  # fmt: skip
     args = parser.parse_args(argv)
     adapter = load_adapter(args.backend)
     if args.save_states:
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     out.write(json.dumps({"type": "info", "backend": args.backend, **adapter.info()}) + "\n")
     out.flush()
     for case in C.all_cases():
-        if args.only and not case["id"].startswith(args.only):
+        if args.only and not any(case["id"].startswith(p.strip()) for p in args.only.split(",") if p.strip()):
             continue
         for mode in MODES:
             result = run_case(adapter, case, mode, args.states)

@@ -39,6 +39,29 @@ def backend_names(names: Iterable[str] | None) -> list[str]:
     return chosen
 
 
+def unwritable(folder: Path) -> str | None:
+    """Why the report folder ``folder`` cannot be written, or None when it can.
+
+    Creates the folder's parent if needed and a probe file beside it (then removes it), so a
+    read-only or virtual file system (``/proc``) is found before a long run, not after.
+    """
+    import tempfile
+
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        return f"{folder} exists and is not a folder"
+    try:
+        parent = folder.absolute().parent
+        parent.mkdir(parents=True, exist_ok=True)
+        for target in (parent, folder) if folder.exists() else (parent,):
+            fd, probe = tempfile.mkstemp(prefix=".mpx-probe-", dir=target)
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as err:
+        return f"cannot write {folder}: {err.strerror or err}"
+    return None
+
+
 def worker_env() -> dict[str, str]:
     """The environment of a worker: Keras on TensorFlow, quiet TF logs, ``ROOT`` importable."""
     env = dict(os.environ)

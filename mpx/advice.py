@@ -77,7 +77,7 @@ SLOW_POLICIES: dict[tuple[str, str, str], SlowEntry] = {
          "use mixed_bfloat16 (0.70x the float32 step time on CPUs with avx512_bf16) or float32"),
         ("tf", "cpu", "float16", 1.44,
          "Keras 3.15 / TF 2.21 mixed_float16 MLP training step vs float32 on a 2-core AMD EPYC without "
-         "avx512_fp16 (195x on the machine of REFERENCES' first anchor run)",
+         "avx512_fp16 (and 195x on another such CPU, measured earlier in this project)",
          "use mixed_bfloat16 (0.71x the float32 step time on CPUs with avx512_bf16) or float32"),
         ("jax", "cpu", "bfloat16", 2.05,
          "jmp-style bfloat16 MLP training step vs float32, XLA:CPU (jax 0.10): bfloat16 elementwise work "

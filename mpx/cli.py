@@ -1,6 +1,8 @@
 """The ``mpx`` command line: ``mpx --version``, ``mpx policy show SPEC``, ``mpx policy list``.
 
-Bad usage exits 2 with one line on stderr and no traceback.
+Every user error exits 2 with one line on stderr and no traceback: bad arguments, an invalid policy,
+an ``--out`` that cannot be written, an ``--only`` that matches nothing, and any :class:`mpx.MPXError`
+a command raises.  Ctrl-C exits 130.
 """
 
 from __future__ import annotations
@@ -91,6 +93,10 @@ _EXTRA_COMMANDS = (
     ("bench", "time training steps natively and under mpx", "mpx_bench.cli", "add_bench_arguments", "run_bench"),
     ("doctor", "show frameworks, devices and precision support; recommend a policy",
      "mpx_bench.cli", "add_doctor_arguments", "run_doctor"),
+    ("compare", "train float32 and mixed precision side by side per backend; report the accuracy delta",
+     "mpx_compare.cli", "add_arguments", "main"),
+    ("history", "draw a saved loss-scaler history: mpx history plot FILE --out PNG",
+     "mpx_compare.history_cli", "add_arguments", "main"),
 )  # fmt: skip
 
 
@@ -129,6 +135,7 @@ def _command_names(parser: argparse.ArgumentParser) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
     parser = build_parser()
+    args = None
     try:
         args = parser.parse_args(argv)
         run: Callable[[argparse.Namespace], int] | None = getattr(args, "run", None)
@@ -140,6 +147,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as err:
         print(str(err), file=sys.stderr)
         return 2
+    except MPXError as err:  # bad input that a command only found out while running
+        command = getattr(args, "command", None)
+        print(f"mpx{' ' + command if command else ''}: {str(err).splitlines()[0]}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # pragma: no cover - interactive
+        print("mpx: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:  # pragma: no cover - `mpx policy show x | head`
         return 0
 

@@ -3,7 +3,9 @@
 The documented output is ``DIR/bench.json`` (format ``"mpx.bench/1"``):
 
 * ``format``, ``mpx_version``, ``created`` (UTC, ISO 8601), ``command``, ``seconds`` (wall time of the run);
-* ``machine``: ``platform``, ``machine``, ``python``, ``cpu_model``, ``cpu_count``, ``cpu_flags``, ``memory_bytes``;
+* ``machine``: ``platform``, ``machine``, ``python``, ``cpu_model``, ``cpu_count``, ``cpu_flags``, ``memory_bytes``,
+  ``load_average`` and ``load_average_end`` (1/5/15-minute load before and after the run), ``threads``
+  (``process``, and ``env``: the thread-pool environment variables, None when unset);
 * ``settings``: ``model``, ``size``, ``policies``, ``steps``, ``warmup``, ``budget_s``, ``device``;
 * ``units``: the unit of every suffix (``_ms`` milliseconds, ``_s`` seconds, ``_bytes`` bytes; ratios are unitless);
 * ``backends``: name -> ``status`` (``ok`` | ``not installed`` | ``failed``), ``framework``, ``versions``,
@@ -16,10 +18,17 @@ The documented output is ``DIR/bench.json`` (format ``"mpx.bench/1"``):
   ``activation_bytes``, ``activation_profile`` (where those bytes go: ``producer``, ``dtype``,
   ``bytes``, ``tensors``, largest first; torch and JAX), ``xla_temp_bytes``, ``traces_per_step``,
   ``host_transfers_per_step``, ``host_syncs_per_step`` (None where not measured), and the worker's notes;
+  with ``--compile`` (torch) also the modes ``fp32-compiled``, ``native-compiled``, ``mpx-compiled`` and
+  their ``frames_compiled``, ``graphs``, ``graph_breaks`` and ``frames_compiled_after_warmup`` (dynamo's
+  counters over that configuration's steps), with the comparisons ``mpx-compiled/native-compiled``,
+  ``mpx-compiled/mpx`` and ``native-compiled/native``;
 * ``comparisons``: ``backend``, ``policy``, ``kind`` (``time`` | ``activations``), ``name``
   (``native/fp32``, ``mpx/fp32``, ``mpx/native``, ``scaling/mpx``, ``scaling/native``,
   ``mpx-noscale/native-noscale``, ``activations/mpx``...), ``numerator``, ``denominator`` (config ids),
-  ``median``, ``min``, ``max`` (of the per-round ratios), ``pairs``, ``target``, ``meets_target``.
+  ``median``, ``min``, ``max``, ``q1``, ``q3`` (of the per-round ratios), ``pairs``, ``target`` (see
+  ``stats.TARGET_HELP``), ``meets_target``, ``warning`` (when the pairs spread wider than what the ratio shows);
+* ``warnings``: a busy machine (load average above half the cores) and every noisy comparison;
+* ``backends[NAME].threads``: the framework's thread pools where it reports them (torch, TensorFlow).
 """
 
 from __future__ import annotations
@@ -34,7 +43,7 @@ from typing import Any
 import mpx
 from mpx._workers import BACKENDS, ROOT, Progress, is_installed, worker_env
 from mpx_bench import stats
-from mpx_bench.machine import machine_info
+from mpx_bench.machine import busy_warning, load_average, machine_info
 
 __all__ = ["FORMAT", "UNITS", "run", "run_worker"]
 
@@ -113,7 +122,8 @@ def _config_row(backend: str, rec: dict[str, Any]) -> dict[str, Any]:
         "build_ms": None if rec.get("build_s") is None else rec["build_s"] * 1e3,
     }
     for key in ("activation_bytes", "saved_weight_copy_bytes", "xla_temp_bytes", "xla_argument_bytes",
-                "traces_total", "traces_per_step", "host_transfers_per_step", "host_syncs_per_step"):  # fmt: skip
+                "traces_total", "traces_per_step", "host_transfers_per_step", "host_syncs_per_step",
+                "frames_compiled", "graphs", "graph_breaks", "frames_compiled_after_warmup"):  # fmt: skip
         row[key] = rec.get(key)
     for key in (
         "activation_profile",
@@ -141,6 +151,7 @@ def run(
     timeout_s: float | None = 1800.0,
     quiet: bool = False,
     command: list[str] | None = None,
+    compile: bool = False,
 ) -> dict[str, Any]:
     """Run the benchmark on ``backends`` and return the ``bench.json`` dict (see the module docs)."""
     policies = [
@@ -174,6 +185,8 @@ def run(
             "--budget", str(budget_s), "--device", device, "--skip-slower-than", str(skip_slower_than)]  # fmt: skip
     for p in policies:
         argv += ["--policy", p]
+    if compile:  # torch: compiled mpx, compiled native and compiled fp32 next to the eager steps
+        argv.append("--compile")
     for backend in backends:
         meta: dict[str, Any] = {"status": "ok", "framework": backend, "versions": None, "device": None,
                                 "device_name": None, "seconds": None, "error": None}  # fmt: skip
@@ -204,4 +217,9 @@ def run(
             + (f" (failed: {meta['error']})" if meta["status"] == "failed" else "")
         )
     data["seconds"] = round(time.monotonic() - started, 1)
+    data["machine"]["load_average_end"] = load_average()
+    data["warnings"] = [w for w in (busy_warning(data["machine"]["load_average"], data["machine"]["cpu_count"]),
+                                    busy_warning(data["machine"]["load_average_end"], data["machine"]["cpu_count"]))
+                        if w][:1] + [f"{c['backend']} {c['policy']} {c['name']}: {c['warning']}"
+                                     for c in data["comparisons"] if c.get("warning")]  # fmt: skip
     return data

@@ -87,6 +87,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="wall-clock limit per backend process (default: 1800)",
     )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch: also time each step under torch.compile (inductor): fp32, native and mpx compiled, "
+        "with compiles, graphs and graph breaks per configuration",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress display")  # fmt: skip
 
 
@@ -133,12 +139,15 @@ def run_bench(args: argparse.Namespace) -> int:
         return _usage(prog, str(err).splitlines()[0])
     if args.device.split(":")[0] not in ("cpu", "cuda", "gpu"):
         return _usage(prog, f"--device: expected cpu or cuda, got {args.device!r}")
-    if args.out.exists() and not args.out.is_dir():
-        return _usage(prog, f"--out: {args.out} exists and is not a folder")
+    from mpx._workers import unwritable
+
+    why = unwritable(args.out)  # before the run, not after it
+    if why:
+        return _usage(prog, f"--out: {why}")
     data = bench.run(names, model=args.model, size=args.size, policies=policies, steps=steps, warmup=warmup,
                      budget_s=budget, device=args.device, skip_slower_than=skip, timeout_s=timeout,
                      quiet=args.quiet, command=["mpx", "bench", *sys.argv[2:]] if sys.argv[1:2] == ["bench"]
-                     else None)  # fmt: skip
+                     else None, compile=getattr(args, "compile", False))  # fmt: skip
     paths = report.write_all(data, args.out)
     print(report.terminal(data))
     print("reports: " + ", ".join(str(p) for p in paths.values()))

@@ -1,7 +1,10 @@
 """What this machine is: CPU model, cores, the precision-relevant CPU flags, memory (framework-free).
 
 >>> info = machine_info()
->>> sorted(info) == sorted(["platform", "machine", "python", "cpu_model", "cpu_count", "cpu_flags", "memory_bytes"])
+>>> sorted(info) == sorted(["platform", "machine", "python", "cpu_model", "cpu_count", "cpu_flags", "memory_bytes",
+...                         "load_average", "threads"])
+True
+>>> len(info["load_average"]) == 3 and "OMP_NUM_THREADS" in info["threads"]["env"]
 True
 """
 
@@ -9,9 +12,14 @@ from __future__ import annotations
 
 import os
 import platform
+import threading
 from typing import Any
 
-__all__ = ["PRECISION_FLAGS", "cpu_flags", "machine_info"]
+__all__ = ["PRECISION_FLAGS", "THREAD_ENV", "busy_warning", "cpu_flags", "load_average", "machine_info"]
+
+#: Environment variables that set the thread pools of the frameworks' CPU kernels.
+THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "TF_NUM_INTRAOP_THREADS",
+              "TF_NUM_INTEROP_THREADS", "XLA_FLAGS")  # fmt: skip
 
 #: CPU flags that decide half-precision speed: bf16 dot products (avx512_bf16, amx_bf16), fp16 arithmetic
 #: (avx512_fp16, amx_fp16), fp16 conversion (f16c) and the vector widths the kernels use.
@@ -49,8 +57,29 @@ def cpu_flags() -> list[str]:
     return [f for f in PRECISION_FLAGS if f in flags]
 
 
+def load_average() -> list[float] | None:
+    """The 1, 5 and 15 minute load averages (runnable processes; ``os.getloadavg``), None where unknown."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (OSError, AttributeError):  # pragma: no cover - Windows
+        return None
+
+
+def busy_warning(load: list[float] | None, cores: int | None) -> str | None:
+    """A warning when the 1-minute load average is above half the cores: other work is sharing the CPU."""
+    if not load or not cores or load[0] <= cores / 2:
+        return None
+    return (f"load average {load[0]:g} on {cores} cores: other processes share the CPU, so step times swing; "
+            "ratios of interleaved pairs cancel part of it")
+
+
 def machine_info() -> dict[str, Any]:
-    """The platform, CPU model, core count, precision flags and memory of this machine."""
+    """The platform, CPU model, core count, precision flags, memory, load average and thread settings.
+
+    ``load_average``: 1/5/15-minute load when called; ``threads``: ``process`` (this process's threads),
+    ``env`` (each of :data:`THREAD_ENV`, None when unset).  Each backend's own pool sizes are in
+    ``backends[NAME].threads`` of bench.json where the framework reports them.
+    """
     info = _cpuinfo()
     try:
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -68,4 +97,6 @@ def machine_info() -> dict[str, Any]:
         "cpu_count": cores,
         "cpu_flags": cpu_flags(),
         "memory_bytes": memory,
+        "load_average": load_average(),
+        "threads": {"process": threading.active_count(), "env": {k: os.environ.get(k) for k in THREAD_ENV}},
     }

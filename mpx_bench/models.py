@@ -1,7 +1,7 @@
 """The benchmark models' sizes (shared by every backend; each worker builds the same network).
 
-* ``mlp``: Linear(D, H), GELU, Linear(H, D), MSE loss (the anchor of
-  ``shared/tools/anchor_bench.py``: D=1024, H=4096, batch 256).
+* ``mlp``: Linear(D, H), GELU, Linear(H, D), MSE loss (at the default size
+  D=1024, H=4096, batch 256).
 * ``transformer``: pre-norm encoder blocks (LayerNorm, self-attention with a
   softmax, LayerNorm, GELU MLP), a final LayerNorm, mean pooling, a linear
   head, MSE loss.

@@ -26,8 +26,9 @@ def _bytes(n: Any) -> str:
 
 
 def _ratio(c: dict[str, Any]) -> str:
-    mark = "" if c["meets_target"] is None else (" ok" if c["meets_target"] else " MISSED")
-    target = "" if c["target"] is None else f" (target <= {c['target']:g}{mark})"
+    mark = "" if c["meets_target"] is None else (" met" if c["meets_target"] else " missed")
+    noisy = ", too noisy to tell" if c.get("warning") else ""
+    target = "" if c["target"] is None else f" (target <= {c['target']:g}{mark}{noisy})"
     if c["kind"] == "activations":
         return f"{c['median']:.3f}x{target}"
     return f"{c['median']:.3f}x [{c['min']:.3f}-{c['max']:.3f}]{target}"
@@ -39,9 +40,12 @@ def _config_table(data: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     rows = []
     for c in data["configs"]:
         traces = c.get("traces_per_step")
+        traced = "-" if traces is None else f"{traces:g}"
+        if c.get("graphs") is not None:  # --compile: compiles, graphs, breaks (all steps)
+            traced += f" ({c['frames_compiled']} compiles, {c['graphs']} graphs, {c['graph_breaks']} breaks)"
         rows.append([c["backend"], c["id"], _ms(c["step_ms"]) if c["status"] == "ok" else "skipped",
                      "-" if c["first_call_ms"] is None else f"{c['first_call_ms']:.0f}",
-                     _bytes(c.get("activation_bytes")), "-" if traces is None else f"{traces:g}",
+                     _bytes(c.get("activation_bytes")), traced,
                      (c.get("note") or "")[:90]])  # fmt: skip
     return head, rows
 
@@ -86,8 +90,20 @@ def _versions(data: dict[str, Any]) -> list[str]:
 def _machine_line(data: dict[str, Any]) -> str:
     m = data["machine"]
     mem = f", {m['memory_bytes'] / (1 << 30):.0f} GiB" if m.get("memory_bytes") else ""
+    load = m.get("load_average")
+    load_text = "" if not load else f"; load average {load[0]:g} at the start" + (
+        f", {m['load_average_end'][0]:g} at the end" if m.get("load_average_end") else "")
     return (f"{m['cpu_model']}, {m['cpu_count']} cores{mem}, flags: {' '.join(m['cpu_flags']) or 'none'}; "
-            f"{m['platform']}, Python {m['python']}")  # fmt: skip
+            f"{m['platform']}, Python {m['python']}{load_text}")  # fmt: skip
+
+
+def _targets(data: dict[str, Any]) -> list[str]:
+    """What each target in the ratio table means (only those present)."""
+    from mpx_bench.stats import TARGET_HELP
+
+    used = dict.fromkeys(c["name"] for c in data["comparisons"] if c.get("target") is not None)
+    return [f"{name} <= {c:g}: {TARGET_HELP[name]}" for name in used if name in TARGET_HELP
+            for c in [next(x["target"] for x in data["comparisons"] if x["name"] == name)]]  # fmt: skip
 
 
 def terminal(data: dict[str, Any]) -> str:
@@ -103,6 +119,20 @@ def terminal(data: dict[str, Any]) -> str:
         "",
         _text_table(*_comparison_table(data)),
     ]
+    if _targets(data):
+        parts += ["", "targets (mpx's performance goals; a ratio's median must be at most this):"]
+        parts += [f"  {line}" for line in _targets(data)]
+    noisy: dict[str, list[str]] = {}
+    for c in data["comparisons"]:
+        if c.get("warning"):
+            noisy.setdefault(c["backend"], []).append(f"{c['policy']} {c['name']}")
+    busy = [w for w in data.get("warnings") or [] if w.startswith("load average")]
+    if busy or noisy:
+        parts += ["", "warnings:", *[f"  {w}" for w in busy]]
+    if noisy:
+        parts.append("  too noisy to tell (the pairs' interquartile spread is wider than the difference the ratio "
+                     "shows; rerun with more --steps on a quieter machine; details in bench.md):")  # fmt: skip
+        parts += [f"    {b}: {', '.join(names)}" for b, names in noisy.items()]
     return "\n".join(parts)
 
 
@@ -133,6 +163,9 @@ def markdown(data: dict[str, Any]) -> str:
         "",
         _md_table(*_comparison_table(data)),
         "",
+        *(["Targets (mpx's performance goals; a ratio's median must be at most this):", "",
+           *[f"- {line}" for line in _targets(data)], ""] if _targets(data) else []),
+        *(["Warnings:", "", *[f"- {w}" for w in data.get("warnings") or []], ""] if data.get("warnings") else []),
         *_profile_section(data),
         "![step time per backend and configuration](bench.png)",
         "",
@@ -159,7 +192,9 @@ def _profile_section(data: dict[str, Any]) -> list[str]:
 
 
 def write_chart(data: dict[str, Any], path: Path) -> Path | None:
-    """A bar chart of the median step time (min-max whiskers) per backend and configuration; None without matplotlib."""
+    """``bench.png``: per backend, the median step time of each configuration (min-max whiskers) on its own
+    axis, and below it every time ratio (median, min-max whiskers) on a log axis around 1; None without
+    matplotlib."""
     try:
         import matplotlib
 
@@ -168,29 +203,36 @@ def write_chart(data: dict[str, Any], path: Path) -> Path | None:
     except ImportError:
         return None
     rows = [c for c in data["configs"] if c["status"] == "ok"]
-    backends = list(dict.fromkeys(c["backend"] for c in rows))
-    ids = list(dict.fromkeys(c["id"] for c in rows))
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(backends) * max(1, len(ids)) * 0.35 + 2), 4.5))
-    width = 0.8 / max(1, len(ids))
+    backends = list(dict.fromkeys(c["backend"] for c in rows)) or ["-"]
+    fig, axes = plt.subplots(2, len(backends), figsize=(4.6 * len(backends) + 0.8, 8.0), squeeze=False)
     cmap = plt.get_cmap("tab10")
-    for j, cid in enumerate(ids):
-        xs, ys, lo, hi = [], [], [], []
-        for i, b in enumerate(backends):
-            c = next((c for c in rows if c["backend"] == b and c["id"] == cid), None)
-            if c is None:
-                continue
+    ids = list(dict.fromkeys(c["id"] for c in rows))
+    for i, b in enumerate(backends):
+        ax = axes[0][i]
+        mine = [c for c in rows if c["backend"] == b]
+        for j, c in enumerate(mine):
             st = c["step_ms"]
-            xs.append(i + (j - (len(ids) - 1) / 2) * width)
-            ys.append(st["median"])
-            lo.append(st["median"] - st["min"])
-            hi.append(st["max"] - st["median"])
-        ax.bar(xs, ys, width, yerr=[lo, hi], capsize=2, label=cid, color=cmap(j % 10))
-    ax.set_xticks(range(len(backends)), backends)
-    ax.set_ylabel("step time, ms (median, min-max)")
+            ax.bar(j, st["median"], 0.7, yerr=[[st["median"] - st["min"]], [st["max"] - st["median"]]], capsize=2,
+                   color=cmap(ids.index(c["id"]) % 10))  # fmt: skip
+        ax.set_xticks(range(len(mine)), [c["id"] for c in mine], rotation=60, ha="right", fontsize=7)
+        ax.set_ylabel("step time, ms (median, min-max)")
+        ax.set_title(f"{b}: step time", fontsize=10)
+        ax2 = axes[1][i]
+        ratios = [c for c in data["comparisons"] if c["backend"] == b and c["kind"] == "time"]
+        for j, c in enumerate(ratios):
+            color = "#c53030" if c.get("meets_target") is False else "#2b6cb0"
+            ax2.barh(j, c["median"] - 1.0, left=1.0, height=0.6, color=color, alpha=0.8)
+            ax2.plot([c["min"], c["max"]], [j, j], color="#333", lw=1)
+            if c.get("target"):
+                ax2.plot([c["target"]], [j], marker="|", color="#c53030", markersize=12)
+        ax2.axvline(1.0, color="#555", lw=1)
+        ax2.set_xscale("log")
+        ax2.set_yticks(range(len(ratios)), [f"{c['policy']} {c['name']}" for c in ratios], fontsize=7)
+        ax2.invert_yaxis()
+        ax2.set_xlabel("ratio, log scale (bar: median, line: min-max, |: target)", fontsize=8)
+        ax2.set_title(f"{b}: ratios of per-round pairs", fontsize=10)
     s = data["settings"]
-    ax.set_title(f"mpx bench: {s['model']} ({s['size']}) on {data['machine']['cpu_model']}")
-    if ids:
-        ax.legend(fontsize=7, ncol=2)
+    fig.suptitle(f"mpx bench: {s['model']} ({s['size']}) on {data['machine']['cpu_model']}", fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

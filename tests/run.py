@@ -26,7 +26,7 @@ SUITES: list[tuple[str, str | None, list[str]]] = [
     ("torch", "torch", ["mpx_torch", "tests/torch"]),
     ("tf", "tensorflow", ["mpx_tf", "tests/tf"]),
     ("jax", "jax", ["mpx_jax", "tests/jax"]),
-    ("bench", None, ["mpx_bench", "tests/bench"]),
+    ("bench", None, ["mpx_bench", "mpx_compare", "tests/bench"]),
     ("conformance", None, ["conformance"]),
 ]
 COUNTS = re.compile(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed)")

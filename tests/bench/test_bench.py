@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -183,3 +184,62 @@ def test_doctor_bad_backend_exits_2():
     proc = _run("doctor", "--backend", "mxnet", timeout=60)
     assert proc.returncode == 2 and "unknown backend 'mxnet'" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_bench_records_machine_load_and_threads(bench):
+    _, data, stdout = bench
+    m = data["machine"]
+    for key in ("load_average", "load_average_end"):
+        assert len(m[key]) == 3 and all(_is_num(x) and x >= 0 for x in m[key])
+    assert set(m["threads"]["env"]) == {"OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
+                                        "TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS", "XLA_FLAGS"}
+    assert isinstance(m["threads"]["process"], int) and m["threads"]["process"] >= 1
+    if "torch" in INSTALLED:
+        assert isinstance(data["backends"]["torch"]["threads"], int) and data["backends"]["torch"]["threads"] >= 1
+    if "tf" in INSTALLED:
+        assert set(data["backends"]["tf"]["threads"]) == {"intra_op", "inter_op"}
+    assert f"load average {m['load_average'][0]:g} at the start" in stdout
+    assert isinstance(data["warnings"], list)
+    noisy = [c for c in data["comparisons"] if c.get("warning")]
+    assert all(any(c["warning"] in w for w in data["warnings"]) for c in noisy)
+
+
+def test_bench_defines_its_targets(bench):
+    from mpx_bench.stats import TARGET_HELP, TARGETS
+
+    out, _, stdout = bench
+    md = (out / "bench.md").read_text()
+    assert "MISSED" not in stdout and "targets (mpx's performance goals" in stdout
+    for name in ("mpx/native", "scaling/mpx"):
+        line = f"{name} <= {TARGETS[name]:g}: {TARGET_HELP[name]}"
+        assert line in stdout and line in md
+
+
+def test_bench_chart_has_a_panel_per_backend(bench):
+    out, data, _ = bench
+    png = (out / "bench.png").read_bytes()
+    width, height = struct.unpack(">II", png[16:24])
+    backends = {c["backend"] for c in data["configs"] if c["status"] == "ok"}
+    assert (width, height) == (round((4.6 * len(backends) + 0.8) * 100), 800)
+
+
+def _records(native_ms, mpx_ms):
+    return [{"id": "fp32", "policy": "float32", "mode": "fp32", "times_s": [0.01] * len(native_ms)},
+            {"id": "mixed_bfloat16/native", "policy": "mixed_bfloat16", "mode": "native",
+             "times_s": [t / 1e3 for t in native_ms]},
+            {"id": "mixed_bfloat16/mpx", "policy": "mixed_bfloat16", "mode": "mpx",
+             "times_s": [t / 1e3 for t in mpx_ms]}]  # fmt: skip
+
+
+def test_noise_warning_when_the_pairs_spread_wider_than_the_difference():
+    from mpx_bench.stats import comparisons
+
+    steady = {c["name"]: c for c in comparisons("torch", "mlp", _records([10.0] * 8, [10.05] * 8))}
+    assert steady["mpx/native"]["median"] == pytest.approx(1.005) and steady["mpx/native"]["warning"] is None
+    swinging = {c["name"]: c for c in comparisons("torch", "mlp", _records([10.0] * 8, [8, 12, 9, 11, 8, 12, 9, 11.2]))}
+    ratio = swinging["mpx/native"]
+    assert (ratio["q1"], ratio["q3"]) == (pytest.approx(0.875), pytest.approx(1.14))
+    assert ratio["warning"].startswith("the pairs spread over 0.875-1.140 (interquartile), wider than the")
+    assert "its target 1.02" in ratio["warning"]
+    far = {c["name"]: c for c in comparisons("torch", "mlp", _records([10.0] * 8, [20, 21, 19, 20, 22, 18, 20, 20]))}
+    assert far["mpx/native"]["warning"] is None  # 2x slower is clear despite the spread

@@ -71,3 +71,107 @@ def test_help_lists_every_command():
     out = run("--help")
     for command in ("policy", "conformance", "bench", "doctor"):
         assert command in out.stdout
+
+
+# -- every command: user errors exit 2 with one line and no traceback; reports are never clobbered ---------
+
+
+def _good_report(folder):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "report.json").write_text('{"results": ["an earlier, good run"]}')
+    (folder / "report.html").write_text("<!doctype html>earlier")
+    return {p.name: p.read_bytes() for p in folder.iterdir()}
+
+
+def _snapshot(folder):
+    return {p.name: p.read_bytes() for p in folder.iterdir()}
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["conformance", "--only", "nosuchcase"], "--only 'nosuchcase' matches no case"),
+        (["conformance", "--only", ","], "matches no case"),
+        (["conformance", "--out", "/proc/nope"], "--out /proc/nope: cannot write there"),
+        (["conformance", "--out", "{file}"], "exists and is not a folder"),
+        (["conformance", "--out", "{other}"], "a folder with other files (no report.json)"),
+        (["bench", "--out", "/proc/nope"], "mpx bench: --out: cannot write /proc/nope"),
+        (["bench", "--out", "{file}"], "mpx bench: --out: "),
+        (["bench", "--steps", "two"], "mpx bench: --steps: expected an integer, got 'two'"),
+        (["bench", "--policy", "compute=int8"], "mpx bench: compute: 'int8' is not a floating dtype"),
+        (["bench", "--model", "resnet"], "mpx bench: unknown model 'resnet'"),
+        (["bench", "--backend", "mxnet"], "mpx bench: unknown backend 'mxnet'"),
+        (["doctor", "--probe-seconds", "-1"], "mpx doctor: --probe-seconds: must be at least 0"),
+        (["doctor", "--backend", "mxnet"], "mpx doctor: unknown backend 'mxnet'"),
+        (["doctor", "--bogus"], "unrecognized arguments: --bogus"),
+        (["policy", "list", "extra"], "unrecognized arguments: extra"),
+    ],
+)
+def test_user_errors_exit_2_without_traceback(args, message, tmp_path):
+    if "/proc/nope" in args and not (tmp_path.anchor and __import__("os").path.isdir("/proc/self")):
+        pytest.skip("no /proc here")
+    (tmp_path / "file").write_text("not a folder")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    args = [a.format(file=tmp_path / "file", other=tmp_path / "other") for a in args]
+    out = run(*args)
+    assert out.returncode == 2, out.stderr
+    assert out.stdout == "" and "Traceback" not in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and message in out.stderr
+    assert (tmp_path / "other" / "notes.txt").read_text() == "mine"
+
+
+def test_only_matching_nothing_stops_before_any_worker_and_keeps_the_report(tmp_path, monkeypatch, capsys):
+    from conformance import runner
+
+    def no_worker(*args, **kwargs):
+        raise AssertionError(f"a worker was started: {args}")
+
+    monkeypatch.setattr(runner.subprocess, "Popen", no_worker)
+    monkeypatch.setattr(runner.subprocess, "run", no_worker)
+    before = _good_report(tmp_path / "rep")
+    assert main(["conformance", "--only", "nosuchcase", "--out", str(tmp_path / "rep")]) == 2
+    assert "'nosuchcase'" in capsys.readouterr().err
+    assert _snapshot(tmp_path / "rep") == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rep"]  # no staging folder left
+
+
+def test_a_crashed_worker_never_replaces_a_good_report(tmp_path, monkeypatch):
+    """A real worker process that dies (here: a backend name its argument parser refuses, so no framework loads)."""
+    from conformance import runner
+
+    monkeypatch.setattr(runner, "is_installed", lambda backend: True)
+    before = _good_report(tmp_path / "rep")
+    data = runner.run(["bogus"], tmp_path / "rep", only="scaler.defaults", quiet=True)
+    assert _snapshot(tmp_path / "rep") == before
+    assert data["out"] == str(tmp_path / "rep.failed")
+    saved = json.loads((tmp_path / "rep.failed" / "report.json").read_text())
+    (crash,) = [r for r in saved["results"] if r["case"] == "worker"]
+    assert crash["status"] == "fail" and crash["observed"].startswith("exit 2 after 0 results")
+    assert "invalid choice: 'bogus'" in crash["detail"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rep", "rep.failed"]
+
+
+def test_a_new_report_replaces_the_old_one_whole(tmp_path, monkeypatch):
+    from conformance import report
+
+    out = tmp_path / "rep"
+    _good_report(out)
+    (out / "stale.svg").write_text("from an older version")
+    data = {"mpx_version": "0", "python": "3", "machine": "x", "seconds": 0.0, "backends": {}, "cases": {},
+            "results": []}  # fmt: skip
+    report.write_all(data, out)
+    assert sorted(p.name for p in out.iterdir()) == ["plots", "report.html", "report.json", "report.md"]
+    assert json.loads((out / "report.json").read_text())["findings"] == []
+
+
+def test_every_command_refuses_an_unknown_option_with_exit_2():
+    from mpx.cli import _command_names, build_parser
+
+    commands = _command_names(build_parser())
+    assert {"policy", "conformance", "bench", "doctor"} <= set(commands)
+    for command in commands:
+        out = run(command, "--no-such-option")
+        assert out.returncode == 2, (command, out.stderr)
+        assert out.stdout == "" and "Traceback" not in out.stderr, command
+        assert len(out.stderr.strip().splitlines()) == 1 and "--no-such-option" in out.stderr, command

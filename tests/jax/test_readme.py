@@ -8,17 +8,19 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-NAMES = ["flax-nnx", "flax-linen", "jax-autocast"]
+NAMES = ["flax-nnx", "flax-linen", "jax-autocast", "jax-quickstart"]
+#: what an example's output must contain, where it says so
+EXPECT = {"jax-quickstart": "float32 65536.0"}
 
 
 def example(name):
-    for source in (ROOT / "README.md",):
+    for source in (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))):
         if not source.exists():
             continue
         for block in re.findall(r"```python\n(.*?)```", source.read_text(), flags=re.S):
             if block.splitlines()[0].strip() == f"# readme-example: {name}":
                 return block
-    raise AssertionError(f"no README block marked '# readme-example: {name}'")
+    raise AssertionError(f"no README.md or docs/ block marked '# readme-example: {name}'")
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -27,3 +29,4 @@ def test_readme_example_runs(name):
         [sys.executable, "-c", example(name)], capture_output=True, text=True, timeout=300, cwd=ROOT
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert EXPECT.get(name, "") in proc.stdout

@@ -11,18 +11,22 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-NAMES = ["keras-fit", "keras-custom-loop"]
+NAMES = ["keras-fit", "keras-custom-loop", "keras-quickstart"]
+#: what an example's output must contain, where it says so
+EXPECT = {"keras-quickstart": "['bfloat16', 'float32']"}
 BLOCK = re.compile(r"```python\n(# readme-example: (?P<name>[\w-]+)\n.*?)```", re.S)
 
 
 def _examples() -> dict[str, str]:
-    """Blocks marked `# readme-example: NAME`, from README.md."""
-    for source in (ROOT / "README.md",):
-        if source.exists():
-            found = {m["name"]: m.group(1) for m in BLOCK.finditer(source.read_text())}
-            if all(name in found for name in NAMES):
-                return found
-    raise AssertionError(f"no README holds the examples {NAMES}")
+    """Blocks marked `# readme-example: NAME`, from README.md and docs/."""
+    found: dict[str, str] = {}
+    for source in (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))):
+        for m in BLOCK.finditer(source.read_text()):
+            found.setdefault(m["name"], m.group(1))
+    missing = [n for n in NAMES if n not in found]
+    if missing:
+        raise AssertionError(f"no README.md or docs/ block holds the examples {missing}")
+    return found
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -39,3 +43,4 @@ def test_readme_example_runs(name, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stdout.strip()
+    assert EXPECT.get(name, "") in proc.stdout

@@ -1,30 +1,28 @@
-"""The README's PyTorch example runs as written."""
+"""The README's PyTorch examples run as written (each in a fresh interpreter)."""
 
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
-MARK = "# readme-example: torch"
+#: example name -> what its output must contain
+NAMES = {"torch": "accuracy", "torch-quickstart": "torch.float32 65536.0"}
 
 
-def _blocks():
-    for path in (ROOT / "README.md",):
-        if path.exists():
-            found = [
-                b for b in re.findall(r"```python\n(.*?)```", path.read_text(), re.S) if b.startswith(MARK)
-            ]
-            if found:
-                return path, found
-    raise AssertionError(f"no ```python block starting with {MARK!r} in README.md")
+def example(name: str) -> str:
+    """The ```python block whose first line is `# readme-example: NAME`, from README.md or docs/."""
+    for path in (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))):
+        for block in re.findall(r"```python\n(.*?)```", path.read_text(), re.S):
+            if block.splitlines()[0].strip() == f"# readme-example: {name}":
+                return block
+    raise AssertionError(f"no ```python block marked '# readme-example: {name}' in README.md or docs/")
 
 
-def test_readme_example_runs():
-    path, blocks = _blocks()
-    for code in blocks:
-        out = subprocess.run(
-            [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300
-        )
-        assert out.returncode == 0, f"{path}:\n{out.stdout}\n{out.stderr}"
-        assert "accuracy" in out.stdout
+@pytest.mark.parametrize("name", list(NAMES))
+def test_readme_example_runs(name):
+    out = subprocess.run([sys.executable, "-c", example(name)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, f"{name}:\n{out.stdout}\n{out.stderr}"
+    assert NAMES[name] in out.stdout

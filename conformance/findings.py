@@ -1,0 +1,342 @@
+"""What each native divergence means: findings with a kind, a severity and one sentence on training.
+
+A *divergence* is a result in native mode whose status is ``differs``: the framework's own
+mixed-precision machinery does not do what the mpx spec says.  :func:`findings` groups every
+divergence of a report into findings, each of one kind:
+
+- ``precision hazard``: a FLOAT32 op (softmax, norms, losses, exp/log/pow, reductions) computed
+  in half precision, a float32 operand rounded to half, or a numerics error above tolerance;
+- ``scaler semantics``: the loss-scale trace differs (no floor, no ceiling, no hysteresis,
+  a non-finite step applied instead of skipped, factors rounded differently);
+- ``default differs``: a different default (initial scale, growth one step later, float32 where
+  the policy asks for half, a model output in the compute dtype);
+- ``API or format gap``: the framework cannot parse a policy name, raises, or cannot save or
+  load the neutral ``mpx.scaler/1`` scaler state.
+
+Every divergence belongs to exactly one finding (``cases`` lists them).  Severities: ``high``
+(silently changes what is trained), ``medium`` (changes results or breaks a workflow you will
+notice), ``low`` (costs speed or convenience, not accuracy).
+
+>>> KINDS[0], SEVERITIES
+('precision hazard', ('high', 'medium', 'low'))
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections import defaultdict
+from typing import Any
+
+import mpx
+
+__all__ = ["KINDS", "KIND_HELP", "NATIVE", "SCALER_NAME", "SEVERITIES", "SEVERITY_HELP", "findings", "summary",
+           "trace_cause"]
+
+KINDS = ("precision hazard", "scaler semantics", "default differs", "API or format gap")
+KIND_HELP = {
+    "precision hazard": "an op mpx keeps in float32 is computed in half precision, or a result is off "
+    "by more than the tolerance",
+    "scaler semantics": "the loss-scale trace differs: bounds, hysteresis, skipping or rounding",
+    "default differs": "a different default: initial scale, growth timing, float32 where half is "
+    "asked, the output dtype",
+    "API or format gap": "the framework cannot parse a name, raises, or cannot save or load a format",
+}
+SEVERITIES = ("high", "medium", "low")
+SEVERITY_HELP = {
+    "high": "silently changes what is trained",
+    "medium": "changes results or breaks a workflow, visibly",
+    "low": "costs speed, memory or convenience, not accuracy",
+}
+#: What "native" means for each backend: the machinery the native column runs.
+NATIVE = {
+    "torch": "torch.autocast (CPU) and torch.amp.GradScaler, with their defaults",
+    "tf": "Keras 3 dtype policies (keras.mixed_precision) and keras.optimizers.LossScaleOptimizer",
+    "jax": "plain JAX with jmp-style casts (inputs and params cast to the compute dtype), optax, "
+    "and Flax's DynamicScale",
+}
+#: The native loss scaler of each backend.
+SCALER_NAME = {"torch": "torch.amp.GradScaler", "tf": "Keras's LossScaleOptimizer", "jax": "Flax's DynamicScale"}
+_WIDTH = {"float64": 64, "float32": 32, "float16": 16, "bfloat16": 16}
+
+
+def _width(dtype: Any) -> int | None:
+    return _WIDTH.get(dtype) if isinstance(dtype, str) else None
+
+
+def _raised(r: dict) -> str | None:
+    obs = r.get("observed")
+    return obs.get("raised") if isinstance(obs, dict) else None
+
+
+def _n(count: int, word: str) -> str:
+    return f"{count} {word}" + ("" if count == 1 else "s")
+
+
+def _error_line(text: str) -> str:
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    named = [ln for ln in lines if "Error" in ln.split(":")[0] or "Exception" in ln.split(":")[0]]
+    return (named or lines or [""])[-1]
+
+
+def _op(case: str) -> str:
+    return case.split(".")[1]
+
+
+# -- scale traces ---------------------------------------------------------------------------------
+
+#: (name, how to change the config, what the framework does instead) tried by :func:`trace_cause`.
+_VARIANTS: tuple[tuple[str, Any, str], ...] = (
+    ("growth one step later", lambda c: {"growth_interval": c["growth_interval"] + 1},
+     "grows on the (growth_interval+1)-th finite step, one step later than torch, Keras and mpx"),
+    ("initial scale halved", lambda c: {"init_scale": c["init_scale"] / 2}, "starts at half the scale"),
+    ("no floor", lambda c: {"min_scale": None}, "has no min_scale: overflows keep halving the scale"),
+    ("no ceiling", lambda c: {"max_scale": None}, "has no max_scale: the scale grows without bound"),
+    ("no hysteresis", lambda c: {"hysteresis": 1}, "backs off on every non-finite step"),
+)  # fmt: skip
+
+
+def _simulate(config: dict, flags: list[bool]) -> list[float]:
+    scaler = mpx.LossScaler(mpx.ScalerConfig.from_dict(config))
+    out = []
+    for finite in flags:
+        scaler.update(finite)
+        out.append(scaler.scale)
+    return out
+
+
+def trace_cause(config: dict, flags: list[bool], observed: list[float]) -> list[str] | None:
+    """The fewest config changes (names of ``_VARIANTS``) that make the mpx scaler reproduce ``observed``.
+
+    Returns ``[]`` when ``observed`` is the spec's trace, ``["rounding"]`` when the traces agree to 1e-6
+    relative, and None when no combination of up to three changes explains the trace.
+    """
+    spec = _simulate(config, flags)
+    if observed == spec:
+        return []
+    relevant = [v for v in _VARIANTS if _changes(v, config)]
+    for n in range(1, 4):
+        for combo in itertools.combinations(relevant, n):
+            changed = dict(config)
+            for _, change, _ in combo:
+                changed.update(change(config))
+            try:
+                if _simulate(changed, flags) == observed:
+                    return [name for name, _, _ in combo]
+            except (mpx.MPXError, ValueError, TypeError):
+                continue
+    if len(spec) == len(observed) and all(abs(a - b) <= 1e-6 * abs(a) for a, b in zip(spec, observed, strict=False)):
+        return ["rounding"]
+    return None
+
+
+def _changes(variant: tuple[str, Any, str], config: dict) -> bool:
+    return any(config.get(k) != v for k, v in variant[1](config).items())
+
+
+# -- classification of one divergence -------------------------------------------------------------
+
+
+def _classify(r: dict, params: dict) -> tuple[str, str, str]:
+    """(kind, severity, topic) of one native divergence; the topic groups divergences into findings."""
+    group, obs, exp = r["group"], r.get("observed"), r["expected"]
+    if _raised(r) and group == "portability":
+        return "API or format gap", "medium", "resume"
+    if _raised(r):
+        return "API or format gap", ("low" if group == "policy" else "medium"), f"raises:{group}"
+    if group == "ops":
+        e, o = _width(exp.get("dtype")), _width(obs.get("dtype") if isinstance(obs, dict) else None)
+        if e and o and o < e:
+            if e == 32 and mpx.classify(_op(r["case"]), params.get("policy", "mixed_float16")).value == "float32":
+                return "precision hazard", "high", f"half:{obs['dtype']}"
+            return "precision hazard", "medium", "promote"
+        return "default differs", "low", "wider"
+    if group == "numerics":
+        if r["case"].startswith("numerics.mlp."):
+            return "precision hazard", "high", "mlp"
+        return "precision hazard", "high", f"half:{mpx.get_policy(params['policy']).compute_dtype}"
+    if group == "policy":
+        if isinstance(obs, dict) and all(_width(obs.get(k)) for k in ("params", "compute", "output")):
+            if any(_width(obs[k]) < _width(exp[k]) for k in ("params", "compute")):
+                return "precision hazard", "high", "policy-dtypes"
+            if _width(obs["output"]) < _width(exp["output"]):
+                return "default differs", "medium", "policy-output"
+        return "default differs", "low", "policy-other"
+    if group == "scaler" and isinstance(obs, dict) and isinstance(obs.get("scales"), list):
+        cause = trace_cause(params["config"], params["flags"], obs["scales"])
+        if cause == []:  # the same scales: what differs is the count of skipped steps
+            return "scaler semantics", "medium", "trace:skip count"
+        cause = cause or ["unexplained"]
+        if cause == ["rounding"]:
+            return "scaler semantics", "low", "trace:rounding"
+        if set(cause) <= {"growth one step later", "initial scale halved"}:
+            return "default differs", "low", "trace:" + "+".join(cause)
+        return "scaler semantics", "medium", "trace:" + "+".join(cause)
+    if group == "skip":
+        return "scaler semantics", "high", "skip"
+    if group == "portability":
+        if r["case"] == "portability.saves_neutral_format":
+            return "API or format gap", "medium", "saves"
+        return "API or format gap", "medium", "resume"
+    return "default differs", "low", f"other:{group}"
+
+
+# -- one sentence per finding ---------------------------------------------------------------------
+
+
+def _list(names: list[str], limit: int = 8) -> str:
+    names = list(dict.fromkeys(names))
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _explain(backend: str, kind: str, topic: str, rows: list[dict]) -> tuple[str, str, dict]:
+    """(title, explanation, extra fields) of one finding."""
+    cases = [r["case"] for r in rows]
+    name = {"torch": "torch autocast", "tf": "Keras", "jax": "plain JAX"}.get(backend, backend)
+    if topic.startswith("trace:") or topic in ("saves", "resume", "raises:portability"):
+        name = SCALER_NAME.get(backend, backend)
+    if topic == "skip":
+        name = {"jax": "plain optax"}.get(backend, SCALER_NAME.get(backend, backend))
+    extra: dict[str, Any] = {}
+    errors = [r["observed"]["max_rel_error"] for r in rows
+              if isinstance(r.get("observed"), dict) and isinstance(r["observed"].get("max_rel_error"), float)]  # fmt: skip
+    if errors:
+        extra["max_rel_error"] = max(errors)
+        tol = max(r["expected"].get("max_rel_error_at_most", 0) for r in rows if r["group"] == "numerics")
+        extra["tolerance"] = tol
+    err = f", max rel. error {max(errors):.1e} (tolerance {extra['tolerance']:g})" if errors else ""
+    if topic.startswith("half:"):
+        dtype = topic.split(":")[1]
+        ops = _list([_op(c) for c in cases])
+        return (f"{name} computes {ops} in {dtype}: {_n(len(rows), 'case')}{err}",
+                f"These ops accumulate sums and exponentials; in {dtype} they lose about "
+                f"{mpx.dtype_info(dtype).eps:.0e} relative precision each, so losses, norms and softmax "
+                "probabilities are noisier and training can stall or diverge where mpx keeps them in float32.",
+                extra)  # fmt: skip
+    if topic == "mlp":
+        return (f"{name}: the MLP's loss and gradients are off by more than the tolerance{err}",
+                "A whole forward/backward pass drifts from the float64 reference by more than 8 eps of the "
+                "compute dtype, so the training signal itself is less accurate.", extra)  # fmt: skip
+    if topic == "promote":
+        return (f"{name} rounds float32 inputs or operands to half in {_list([_op(c) for c in cases])}: {_n(len(rows), 'case')}",
+                "A float32 input (or the float32 side of a mixed add, mul or cat) is rounded to half before "
+                "use, so values kept in float32 on purpose, such as a residual stream, lose precision.", extra)  # fmt: skip
+    if topic == "wider":
+        ops = _list([_op(c) for c in cases])
+        return (f"{name} runs {ops} in float32 where the policy asks for half: {_n(len(rows), 'case')}",
+                "No accuracy is lost, but these ops run at float32 speed and keep float32 activations "
+                "(for keep_fp32=none or float32 inputs to matmul/conv you must cast by hand).", extra)  # fmt: skip
+    if topic == "policy-output":
+        return (f"{name} models return the compute dtype, not float32: {_n(len(rows), 'polic').replace('polics', 'policies').replace('1 polic', '1 policy')}",
+                "A loss computed on the model's output starts from half-precision values unless you cast it.",
+                extra)  # fmt: skip
+    if topic == "policy-dtypes":
+        return (f"{name} stores or computes in a narrower dtype than the policy says: {_n(len(rows), 'polic').replace('polics', 'policies').replace('1 polic', '1 policy')}",
+                "Parameters or computation are in half precision where the policy asks for float32.", extra)
+    if topic.startswith("raises:"):
+        group = topic.split(":")[1]
+        first = _error_line(_raised(rows[0]) or "")
+        if group == "policy":
+            specs = _list([r["case"].split(".", 1)[1] for r in rows], 6)
+            return (f"{name} cannot parse {len(rows)} policy names ({specs})",
+                    "Names from Lightning, Accelerate or mpx's own key syntax must be translated by hand; "
+                    f"nothing about the numerics changes ({first[:80]}).", extra)  # fmt: skip
+        return (f"{name} raises on {_list(cases, 4)}: {_n(len(rows), 'case')}",
+                f"The operation cannot be run this way natively ({first[:100]}).", extra)
+    if topic.startswith("trace:"):
+        causes = topic.split(":")[1].split("+")
+        words = {n: w for n, _, w in _VARIANTS}
+        if causes == ["rounding"]:
+            return (f"{name} rounds its factors differently: {_n(len(rows), 'trace')}",
+                    "Scales differ in the last bits of float32, so traces are not bit-identical across "
+                    "frameworks; harmless for training, but a resumed run does not reproduce exactly.", extra)
+        if causes == ["skip count"]:
+            return (f"{name} skips a different number of steps: {_n(len(rows), 'trace')}",
+                    "The scale trace matches the spec but the count of skipped steps does not, so a step the "
+                    "spec skips is applied, or the reverse.", extra)  # fmt: skip
+        if causes == ["unexplained"]:
+            return (f"{name} follows other scaling rules: {_n(len(rows), 'trace')}",
+                    "The loss-scale trace differs in a way no single default explains; see the aligned traces.",
+                    extra)  # fmt: skip
+        said = "; ".join(words[c] for c in causes)
+        consequence = {
+            "no floor": "after a burst of overflows the scale can fall below 1, so small float16 gradients "
+            "underflow to zero",
+            "no ceiling": "the scale can grow until scaled losses overflow float16, and then every such "
+            "step is skipped",
+            "no hysteresis": "each isolated overflow halves the scale, so a noisy run trains at a "
+            "needlessly small scale",
+            "growth one step later": "the scale grows a step later than elsewhere, so a run resumed in "
+            "another framework follows another trace",
+            "initial scale halved": "the first steps use half the scale, which matters only for the first "
+            "growth_interval steps",
+        }
+        return (f"{name}: {', '.join(causes)}: {_n(len(rows), 'trace')}",
+                f"It {said}: {consequence[causes[0]]}.", extra)  # fmt: skip
+    if topic == "skip":
+        return (f"{name}: a step with inf/NaN gradients is applied, not skipped: {_n(len(rows), 'case')}",
+                "One overflowing step writes inf/NaN into the parameters or the optimizer moments, and "
+                "training cannot recover from it.", extra)  # fmt: skip
+    if topic == "saves":
+        keys = _list(sorted((rows[0].get("observed") or {}).get("state_dict", {}) or {}), 4)
+        return (f"{name} saves its own state format ({keys})",
+                "Another framework, or mpx, cannot resume the loss scale from it without a converter.", extra)
+    if topic == "resume":
+        why = _error_line(_raised(rows[0]) or "")
+        return (f"{name} cannot resume from the neutral mpx.scaler/1 state: {_n(len(rows), 'case')}",
+                "A loss scale saved by another framework (or by mpx) cannot be loaded"
+                + (f" ({why})" if why else "") + ", so a moved run restarts its scale and counters.", extra)
+    return (f"{name}: {len(rows)} other divergences in {rows[0]['group']}",
+            "The observed value differs from the spec; see the case table.", extra)
+
+
+def findings(data: dict) -> list[dict]:
+    """Every native divergence of ``data`` (a report dict) grouped into findings, most severe first.
+
+    Each finding: ``kind`` (one of :data:`KINDS`), ``severity`` (one of :data:`SEVERITIES`), ``backend``,
+    ``title`` (one line), ``explanation`` (what it means for training), ``cases`` (case ids), and for
+    numerics ``max_rel_error`` and ``tolerance``.
+    """
+    params = {cid: c.get("params", {}) for cid, c in data.get("cases", {}).items()}
+    groups: dict[tuple[str, str, str, str], list[dict]] = defaultdict(list)
+    for r in data["results"]:
+        if r["mode"] != "native" or r["status"] != "differs":
+            continue
+        kind, severity, topic = _classify(r, params.get(r["case"]) or _case_params(r["case"]))
+        groups[(r["backend"], kind, severity, topic)].append(r)
+    out = []
+    for (backend, kind, severity, topic), rows in groups.items():
+        title, explanation, extra = _explain(backend, kind, topic, rows)
+        out.append({"kind": kind, "severity": severity, "backend": backend, "topic": topic, "title": title,
+                    "explanation": explanation, "cases": [r["case"] for r in rows], **extra})  # fmt: skip
+    order = {b: i for i, b in enumerate(data.get("backends", {}))}
+    out.sort(key=lambda f: (order.get(f["backend"], 99), SEVERITIES.index(f["severity"]), KINDS.index(f["kind"]),
+                            -len(f["cases"])))  # fmt: skip
+    return out
+
+
+def _case_params(case_id: str) -> dict:
+    from conformance.cases import all_cases
+
+    for c in all_cases():
+        if c["id"] == case_id:
+            return json.loads(json.dumps(c["params"]))
+    return {}
+
+
+def summary(data: dict, found: list[dict]) -> dict[str, dict]:
+    """Per backend: what native means, result counts per mode and status, and its findings' titles."""
+    out: dict[str, dict] = {}
+    for backend in data.get("backends", {}):
+        counts: dict[str, dict[str, int]] = {"native": defaultdict(int), "mpx": defaultdict(int)}
+        for r in data["results"]:
+            if r["backend"] == backend and r["mode"] in counts:
+                counts[r["mode"]][r["status"]] += 1
+        mine = [f for f in found if f["backend"] == backend]
+        out[backend] = {
+            "native": NATIVE.get(backend, backend),
+            "counts": {m: dict(c) for m, c in counts.items()},
+            "by_severity": {s: sum(1 for f in mine if f["severity"] == s) for s in SEVERITIES},
+            "findings": [f["title"] for f in mine],
+        }
+    return out
