@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -239,13 +240,27 @@ def write_chart(data: dict[str, Any], path: Path) -> Path | None:
     return path
 
 
-def write_all(data: dict[str, Any], out: Path) -> dict[str, Path]:
-    """Write ``bench.json``, ``bench.md`` and ``bench.png`` into ``out``; returns their paths."""
+def write_files(
+    data: dict[str, Any],
+    out: Path,
+    stem: str,
+    markdown: Callable[[dict[str, Any]], str],
+    write_chart: Callable[[dict[str, Any], Path], Path | None],
+) -> dict[str, Path]:
+    """Write ``STEM.json``, ``STEM.md`` and (where matplotlib is installed) ``STEM.png`` into ``out``.
+
+    Shared by ``mpx bench`` and ``mpx compare``; returns the paths written, keyed json/md/png.
+    """
     out.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out / "bench.json", "md": out / "bench.md"}
+    paths = {"json": out / f"{stem}.json", "md": out / f"{stem}.md"}
     paths["json"].write_text(json.dumps(data, indent=1, default=str) + "\n", encoding="utf-8")
     paths["md"].write_text(markdown(data), encoding="utf-8")
-    png = write_chart(data, out / "bench.png")
+    png = write_chart(data, out / f"{stem}.png")
     if png is not None:
         paths["png"] = png
     return paths
+
+
+def write_all(data: dict[str, Any], out: Path) -> dict[str, Path]:
+    """Write ``bench.json``, ``bench.md`` and ``bench.png`` into ``out``; returns their paths."""
+    return write_files(data, out, "bench", markdown, write_chart)

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from mpx.history import ScalerHistory
-from mpx_bench.report import _md_table, _text_table
+from mpx_bench.report import _md_table, _text_table, write_files
 
 __all__ = ["draw_timeline", "markdown", "plot_history", "terminal", "write_all", "write_chart"]
 
@@ -136,11 +135,4 @@ def write_chart(data: dict[str, Any], path: Path) -> Path | None:
 
 def write_all(data: dict[str, Any], out: Path) -> dict[str, Path]:
     """Write ``compare.json``, ``compare.md`` and ``compare.png`` into ``out``; returns their paths."""
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out / "compare.json", "md": out / "compare.md"}
-    paths["json"].write_text(json.dumps(data, indent=1, default=str) + "\n", encoding="utf-8")
-    paths["md"].write_text(markdown(data), encoding="utf-8")
-    png = write_chart(data, out / "compare.png")
-    if png is not None:
-        paths["png"] = png
-    return paths
+    return write_files(data, out, "compare", markdown, write_chart)
