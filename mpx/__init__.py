@@ -5,6 +5,7 @@ The core imports numpy and ml_dtypes only; the backends live in ``mpx_torch``,
 """
 
 from mpx._version import __version__
+from mpx.accumulation import accumulation_trace, check_accumulation_steps, window_flags
 from mpx.advice import SlowPolicyWarning, warn_if_slow
 from mpx.dtypes import (
     CANONICAL_DTYPES,
@@ -75,6 +76,8 @@ __all__ = [
     "SlowPolicyWarning",
     "StateDictError",
     "__version__",
+    "accumulation_trace",
+    "check_accumulation_steps",
     "canonical_dtype",
     "classify",
     "dtype_info",
@@ -88,4 +91,5 @@ __all__ = [
     "stuck_message",
     "warn_if_slow",
     "widest_dtype",
+    "window_flags",
 ]

@@ -40,6 +40,7 @@ def _describe(policy: Policy) -> dict:
         "param_dtype": policy.param_dtype,
         "compute_dtype": policy.compute_dtype,
         "output_dtype": policy.output_dtype,
+        "reduce_dtype": policy.reduce_dtype,
         "keep_fp32": list(policy.keep_fp32),
         "rules": [{"selector": rule.selector, "policy": str(rule.policy)} for rule in policy.rules()],
         "loss_scaling": scaler.kind,
@@ -66,6 +67,7 @@ def _show(args: argparse.Namespace) -> int:
     print(f"params   {policy.param_dtype}")
     print(f"compute  {policy.compute_dtype}")
     print(f"output   {policy.output_dtype}")
+    print(f"reduce   {policy.reduce_dtype}  (gradient all-reduce across replicas)")
     print(f"keep_fp32 {'+'.join(policy.keep_fp32) or 'none'}")
     print(f"loss scaling (default) {info['loss_scaling']}")
     print("rules (last match wins):" if info["rules"] else "rules: none")

@@ -68,10 +68,12 @@ _KEYS: dict[str, str] = {
     "compute": "compute",
     "o": "output",
     "output": "output",
+    "r": "reduce",
+    "reduce": "reduce",
     "keep_fp32": "keep_fp32",
 }
 _SELECTOR = re.compile(r"^[A-Za-z0-9_.*?\[\]!/\-]+$")
-_GRAMMAR = "params=DTYPE,compute=DTYPE,output=DTYPE[,keep_fp32=CATS][,@SELECTOR={SPEC}]"
+_GRAMMAR = "params=DTYPE,compute=DTYPE,output=DTYPE[,reduce=DTYPE][,keep_fp32=CATS][,@SELECTOR={SPEC}]"
 
 
 def _default_keep_fp32(compute_dtype: str) -> tuple[str, ...]:
@@ -176,6 +178,9 @@ class Policy:
             ``None`` (the default) means all of :data:`CATEGORIES` when the
             compute dtype is float16 or bfloat16, none otherwise.
         overrides: ordered :class:`Override` rules (or ``(selector, spec)`` pairs).
+        reduce_dtype: keyword only; the dtype gradients are all-reduced in across
+            replicas (DDP's comm hook, FSDP2's ``reduce_dtype``); ``None`` (the
+            default) means the param dtype.
 
     Dtypes accept every alias (``"bf16"``, ``"half"``, numpy dtypes...) and are
     stored under their canonical names.
@@ -186,12 +191,15 @@ class Policy:
     output_dtype: str = "float32"
     keep_fp32: tuple[str, ...] | None = None
     overrides: tuple[Override, ...] = ()
+    reduce_dtype: str | None = dataclasses.field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
         set_(self, "param_dtype", _dtype(self.param_dtype, "params"))
         set_(self, "compute_dtype", _dtype(self.compute_dtype, "compute"))
         set_(self, "output_dtype", _dtype(self.output_dtype, "output"))
+        reduce = self.param_dtype if self.reduce_dtype is None else _dtype(self.reduce_dtype, "reduce")
+        set_(self, "reduce_dtype", reduce)
         keep = (
             _default_keep_fp32(self.compute_dtype) if self.keep_fp32 is None else _categories(self.keep_fp32)
         )
@@ -206,7 +214,9 @@ class Policy:
         """The preset name of this policy (``"mixed_float16"``...), or None."""
         for name, dtypes in _PRESET_DTYPES.items():
             if (self.param_dtype, self.compute_dtype, self.output_dtype) == dtypes and (
-                self.keep_fp32 == _default_keep_fp32(self.compute_dtype) and not self.overrides
+                self.keep_fp32 == _default_keep_fp32(self.compute_dtype)
+                and not self.overrides
+                and self.reduce_dtype == self.param_dtype
             ):
                 return name
         return None
@@ -225,7 +235,9 @@ class Policy:
     def rules(self) -> tuple[Override, ...]:
         """Every rule in the order :meth:`for_module` applies them: keep_fp32 first, then overrides."""
         if self.keep_fp32:
-            fp32 = Policy(self.param_dtype, "float32", "float32", keep_fp32=())
+            fp32 = Policy(
+                self.param_dtype, "float32", "float32", keep_fp32=(), reduce_dtype=self.reduce_dtype
+            )
             kept = tuple(Override(f"category:{c}", fp32) for c in self.keep_fp32)
         else:
             kept = ()
@@ -271,6 +283,7 @@ class Policy:
             "param_dtype": self.param_dtype,
             "compute_dtype": self.compute_dtype,
             "output_dtype": self.output_dtype,
+            "reduce_dtype": self.reduce_dtype,
             "keep_fp32": list(self.keep_fp32),
             "overrides": [{"selector": r.selector, "policy": r.policy.to_dict()} for r in self.overrides],
         }
@@ -281,7 +294,7 @@ class Policy:
         if not isinstance(data, Mapping):
             raise PolicyError(f"policy dict: expected a mapping, got {type(data).__name__}")
         required = ("param_dtype", "compute_dtype", "output_dtype")
-        allowed = (*required, "keep_fp32", "overrides")
+        allowed = (*required, "reduce_dtype", "keep_fp32", "overrides")
         for key in data:
             if key not in allowed:
                 raise PolicyError(f"policy dict: unknown key {key!r}; allowed: {', '.join(allowed)}")
@@ -299,7 +312,9 @@ class Policy:
                 )
             inner = rule["policy"]
             nested = inner.get("overrides") if isinstance(inner, Mapping) else None
-            if nested is not None and not (isinstance(nested, (list, tuple)) and not nested):  # no deep recursion
+            if nested is not None and not (
+                isinstance(nested, (list, tuple)) and not nested
+            ):  # no deep recursion
                 raise PolicyError(
                     f"override {rule['selector']!r}: an override's policy cannot have overrides of its own"
                 )
@@ -310,10 +325,13 @@ class Policy:
             data["output_dtype"],
             keep_fp32=data.get("keep_fp32"),
             overrides=tuple(rules),
+            reduce_dtype=data.get("reduce_dtype"),
         )
 
     def __str__(self) -> str:
         text = f"params={self.param_dtype},compute={self.compute_dtype},output={self.output_dtype}"
+        if self.reduce_dtype != self.param_dtype:
+            text += f",reduce={self.reduce_dtype}"
         if self.keep_fp32 != _default_keep_fp32(self.compute_dtype):
             text += ",keep_fp32=" + ("+".join(self.keep_fp32) or "none")
         for rule in self.overrides:
@@ -375,7 +393,13 @@ def _parse(text: str, *, nested: bool) -> Policy:
     values: dict[str, str] = {}
     spelled: dict[str, str] = {}
     rules: list[Override] = []
-    for index, raw in enumerate(_split_segments(spec)):
+    segments = _split_segments(spec)
+    base: Policy | None = None
+    head = segments[0].strip()
+    if head in _PRESET_DTYPES or head in PRESET_ALIASES:  # "mixed_bfloat16,reduce=bf16": a preset, then keys
+        base = PRESETS[PRESET_ALIASES.get(head, head)]
+        segments = segments[1:]
+    for index, raw in enumerate(segments, start=0 if base is None else 1):
         segment = raw.strip()
         if not segment:
             raise PolicyError(
@@ -417,13 +441,20 @@ def _parse(text: str, *, nested: bool) -> Policy:
             )
         values[canon] = value
         spelled[canon] = key
-    if not {"params", "compute", "output"} & values.keys():
+    if base is None and not {"params", "compute", "output", "reduce"} & values.keys():
         raise PolicyError(
-            f"policy spec {spec!r}: names no dtype; give at least one of params, compute, output"
+            f"policy spec {spec!r}: names no dtype; give at least one of params, compute, output, reduce"
         )
+    if base is not None:
+        values = {
+            "params": base.param_dtype,
+            "compute": base.compute_dtype,
+            "output": base.output_dtype,
+        } | values
     params = _dtype(values.get("params", "float32"), "params")
     compute = _dtype(values.get("compute", params), "compute")
     output = _dtype(values.get("output", compute), "output")
+    reduce = _dtype(values["reduce"], "reduce") if "reduce" in values else None
     keep: tuple[str, ...] | None = None
     if "keep_fp32" in values:
         raw_keep = values["keep_fp32"]
@@ -437,7 +468,7 @@ def _parse(text: str, *, nested: bool) -> Policy:
                     f"({'+'.join(CATEGORIES)}) or 'none'"
                 )
             keep = _categories([part.strip() for part in parts])
-    return Policy(params, compute, output, keep_fp32=keep, overrides=tuple(rules))
+    return Policy(params, compute, output, keep_fp32=keep, overrides=tuple(rules), reduce_dtype=reduce)
 
 
 def get_policy(spec: PolicySpec) -> Policy:
@@ -446,16 +477,22 @@ def get_policy(spec: PolicySpec) -> Policy:
     Strings are a preset (``float32``, ``mixed_float16``, ``mixed_bfloat16``,
     ``float16``, ``bfloat16``), an ecosystem name (``32-true``, ``16-mixed``,
     ``bf16-mixed``, ``16-true``, ``bf16-true``, ``no``, ``fp16``, ``bf16``) or
-    the key form ``params=...,compute=...,output=...`` (keys ``p c o`` or
-    ``params compute output``, plus ``keep_fp32`` and ``@SELECTOR={SPEC}``
-    override rules).  A missing params defaults to float32, a missing compute
-    to params, a missing output to compute.
+    the key form ``params=...,compute=...,output=...`` (keys ``p c o r`` or
+    ``params compute output reduce``, plus ``keep_fp32`` and ``@SELECTOR={SPEC}``
+    override rules), optionally after a preset (``mixed_bfloat16,reduce=bf16``:
+    the preset's dtypes, then the keys).  A missing params defaults to float32,
+    a missing compute to params, a missing output to compute, a missing reduce
+    (the dtype of the gradient all-reduce across replicas) to params.
 
     Raises:
         PolicyError: naming the bad token and what is allowed.
 
     >>> str(get_policy("p=f32, c=bf16"))
     'params=float32,compute=bfloat16,output=bfloat16'
+    >>> get_policy("params=float32,compute=bfloat16,output=float32,reduce=bf16").reduce_dtype
+    'bfloat16'
+    >>> str(get_policy("mixed_bfloat16,reduce=bf16"))
+    'params=float32,compute=bfloat16,output=float32,reduce=bfloat16'
     >>> get_policy("compute=int8")
     Traceback (most recent call last):
     ...

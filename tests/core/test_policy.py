@@ -91,7 +91,7 @@ BAD = {
     "   ": "empty",
     "mixed": "unknown policy name 'mixed'",
     "FP16": "unknown policy name 'FP16'",
-    "mixed_float16,keep_fp32=none": "unknown key 'mixed_float16,keep_fp32'|is not KEY=VALUE",
+    "keep_fp32=none,mixed_float16": "is not KEY=VALUE",
     "params=float32,,compute=float16": "segment 2 is empty",
     ",compute=float16": "segment 1 is empty",
     "compute=float16,": "segment 2 is empty",
@@ -252,13 +252,18 @@ def test_bad_rules(call, message):
 DTYPE_TOKENS = st.sampled_from(
     ["float32", "f32", "fp32", "float16", "half", "fp16", "bfloat16", "bf16", "f64", "double"]
 )
-KEY_NAMES = {"params": ["p", "params"], "compute": ["c", "compute"], "output": ["o", "output"]}
+KEY_NAMES = {
+    "params": ["p", "params"],
+    "compute": ["c", "compute"],
+    "output": ["o", "output"],
+    "reduce": ["r", "reduce"],
+}
 SPACE = st.sampled_from(["", " ", "  "])
 
 
 @st.composite
 def key_specs(draw):
-    keys = draw(st.lists(st.sampled_from(list(KEY_NAMES)), min_size=1, max_size=3, unique=True))
+    keys = draw(st.lists(st.sampled_from(list(KEY_NAMES)), min_size=1, max_size=4, unique=True))
     parts = []
     chosen = {}
     for key in keys:
@@ -281,6 +286,8 @@ def test_key_grammar_property(case):
     compute = chosen.get("compute", params)
     output = chosen.get("output", compute)
     assert (p.param_dtype, p.compute_dtype, p.output_dtype) == (params, compute, output)
+    assert p.reduce_dtype == chosen.get("reduce", params)
+    assert Policy.from_dict(p.to_dict()) == p
     if "keep" in chosen:
         assert p.keep_fp32 == chosen["keep"]
     assert get_policy(str(p)) == p and str(get_policy(str(p))) == str(p)
@@ -313,3 +320,70 @@ def test_deeply_nested_policy_dict_raises_policy_error():
 def test_keep_fp32_items_that_are_not_names_raise_policy_error(bad):
     with pytest.raises(mpx.PolicyError, match="^keep_fp32: unknown category"):
         mpx.Policy("float32", "float16", "float32", keep_fp32=[bad])
+
+
+# -- issue #16: the reduce dtype ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", ["mixed_float16", "mixed_bfloat16", "bfloat16", "float16", "float32"])
+def test_reduce_defaults_to_the_param_dtype_and_is_not_written(spec):
+    p = get_policy(spec)
+    assert p.reduce_dtype == p.param_dtype
+    assert "reduce" not in str(p) and p.name == spec
+    assert p.to_dict()["reduce_dtype"] == p.param_dtype
+
+
+def test_reduce_key_sets_the_all_reduce_dtype_and_round_trips():
+    p = get_policy("params=float32,compute=bfloat16,output=float32,reduce=bf16")
+    assert p.reduce_dtype == "bfloat16" and p.compute_dtype == "bfloat16"
+    assert str(p) == "params=float32,compute=bfloat16,output=float32,reduce=bfloat16"
+    assert p.name is None and p != get_policy("mixed_bfloat16")
+    assert get_policy(str(p)) == p == Policy.from_dict(p.to_dict())
+    assert p == Policy("float32", "bfloat16", "float32", reduce_dtype="bf16")
+    assert get_policy("r=f16").reduce_dtype == "float16" and get_policy("r=f16").param_dtype == F32
+
+
+@pytest.mark.parametrize(
+    "spec,expected",
+    [
+        ("mixed_bfloat16,reduce=bf16", "params=float32,compute=bfloat16,output=float32,reduce=bfloat16"),
+        ("16-mixed, r=f16", "params=float32,compute=float16,output=float32,reduce=float16"),
+        ("mixed_float16,output=f16", "params=float32,compute=float16,output=float16"),
+        ("bf16-true,params=f32", "params=float32,compute=bfloat16,output=bfloat16"),
+        ("mixed_float16,keep_fp32=none", "params=float32,compute=float16,output=float32,keep_fp32=none"),
+    ],
+)
+def test_a_preset_then_keys(spec, expected):
+    assert str(get_policy(spec)) == expected
+
+
+def test_reduce_reaches_the_float32_rules():
+    p = get_policy("params=float32,compute=float16,output=float32,reduce=float16")
+    assert p.for_module("norm", category="normalization").reduce_dtype == "float16"
+
+
+def test_dicts_without_reduce_still_load():
+    data = get_policy("mixed_float16").to_dict()
+    del data["reduce_dtype"]
+    assert Policy.from_dict(data) == get_policy("mixed_float16")
+
+
+@pytest.mark.parametrize(
+    "call,message",
+    [
+        (lambda: get_policy("mixed_float16,,r=f16"), "segment 2 is empty"),
+        (lambda: get_policy("mixed_float16,bfloat16,r=f16"), "segment 'bfloat16' is not KEY=VALUE"),
+        (lambda: get_policy("reduce=bf16,mixed_float16"), "segment 'mixed_float16' is not KEY=VALUE"),
+        (lambda: get_policy("p=f32,reduce=int8"), "^reduce: 'int8' is not a floating dtype"),
+        (lambda: get_policy("p=f32,r=f16,reduce=bf16"), "key 'reduce' repeats 'r'"),
+        (lambda: Policy(reduce_dtype="int32"), "^reduce: "),
+    ],
+)
+def test_bad_reduce(call, message):
+    with pytest.raises(PolicyError, match=message):
+        call()
+
+
+def test_reduce_is_keyword_only():
+    with pytest.raises(TypeError):
+        Policy("float32", "float16", "float32", None, (), "float16")  # type: ignore[misc]
