@@ -14,10 +14,11 @@ step.  mpx's rule, the same in torch, Keras and JAX:
 
 This is what torch's ``GradScaler`` does when ``scale(loss).backward()`` runs
 ``steps`` times before one ``step``/``update``, without any extra pass.  Keras's
-``gradient_accumulation_steps`` under its own LossScaleOptimizer and
-``with_loss_scaling(optax.MultiSteps(...))``-style code instead drop only the bad
-micro-batch and move the scale once per micro-batch, so the same config grows
-``steps`` times faster per optimizer step there.
+``gradient_accumulation_steps`` under its own LossScaleOptimizer and a loss
+scale updated inside ``optax.MultiSteps`` instead drop only the bad micro-batch
+and move the scale once per micro-batch, so the same config grows ``steps``
+times faster per optimizer step there (``mpx_jax.with_loss_scaling`` takes
+``accumulate=k`` and refuses a ``MultiSteps``).
 
 >>> import mpx
 >>> cfg = mpx.ScalerConfig(init_scale=8.0, growth_interval=1)

@@ -12,6 +12,7 @@ only jax and optax).
 from mpx_jax.autocast import autocast
 from mpx_jax.casting import cast_to_compute, cast_to_output, cast_to_param, cast_tree
 from mpx_jax.diagnostics import find_nonfinite, underflow_stats
+from mpx_jax.distributed import all_reduce_gradients, combine_finite, mapped_axes
 from mpx_jax.history import HistoryRecorder
 from mpx_jax.loss_scale import LossScale, all_finite, select_tree
 from mpx_jax.transform import LossScalingState, get_loss_scale, with_loss_scaling
@@ -21,13 +22,16 @@ __all__ = [
     "LossScale",
     "LossScalingState",
     "all_finite",
+    "all_reduce_gradients",
     "autocast",
     "cast_to_compute",
     "cast_to_output",
     "cast_to_param",
     "cast_tree",
+    "combine_finite",
     "find_nonfinite",
     "get_loss_scale",
+    "mapped_axes",
     "select_tree",
     "underflow_stats",
     "with_loss_scaling",

@@ -47,23 +47,28 @@ Rules for composing it:
 * wrap the *whole* optimizer, clipping included:
   ``with_loss_scaling(optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(lr)))``
   clips the unscaled gradients (clipping scaled gradients is the classic bug);
-* gradient accumulation: ``with_loss_scaling(optax.MultiSteps(tx, k))``. Scale
-  each microbatch's loss with ``get_loss_scale(opt_state)`` as it is at that
-  microbatch.  Every microbatch's gradients are unscaled and checked on their
-  own before ``MultiSteps`` accumulates them, so the accumulator only ever
-  holds unscaled, finite float32 gradients: a non-finite microbatch is
-  dropped (``MultiSteps``' state, its accumulator and its counter stay as they
-  were, and the next microbatch takes its place) and the scale backs off at
-  once, mid-window, which is harmless because what is summed is already
-  unscaled.  The loss scale therefore counts microbatches (``growth_interval``
-  is in microbatches).  Do not nest the other way round,
-  ``MultiSteps(with_loss_scaling(tx), k)``: optax 0.2.8 resets its accumulator
-  by multiplying it with 0, so one inf becomes NaN and every later window is
-  skipped for good;
-* data parallelism: inside ``pmap``/``shard_map`` pass ``axis_name`` so every
-  replica reduces its finite flag with the others and all take the same
-  decision; under ``jit`` with sharded arrays the finiteness check is already
-  global and no axis is needed.
+* gradient accumulation: ``with_loss_scaling(tx, config, accumulate=k)``
+  (mpx's one semantics, :mod:`mpx.accumulation`).  Scale every micro-batch's
+  loss with ``get_loss_scale(opt_state)``: it is constant inside a window.  The
+  scaled gradients are summed in (at least) float32; at the window's last
+  micro-step they are checked once, unscaled and divided by ``k`` (the mean),
+  and the inner optimizer runs once, or the whole window is skipped
+  (parameters and inner state bit-identical, the accumulator restarts at zero);
+  the loss scale makes one transition per window, so ``growth_interval`` counts
+  optimizer steps.  Updates on the other micro-steps are ``-0.0``.  The
+  boundary is a ``lax.cond`` on the micro-step counter, so the inner optimizer
+  and the check run once per window and nothing retraces per micro-step.
+  ``optax.MultiSteps`` as ``tx`` raises an ``MPXError``: it would check and
+  move the scale per micro-batch.  ``optax.MultiSteps(with_loss_scaling(tx), k)``
+  (MultiSteps outside) is *not* equivalent in optax 0.2.8: it resets its
+  accumulator by multiplying it with 0, so after one non-finite window the
+  accumulator holds NaN and every later window is skipped for good
+  (``tests/jax/test_accumulation.py`` records it);
+* data parallelism: inside ``pmap``/``shard_map`` the finite flag is reduced
+  over every mapped axis bound there (``jax.sharding.get_abstract_mesh()
+  .manual_axes``) and over ``axis_name`` if given, so every replica takes the
+  same decision even without ``axis_name``; under ``jit`` with sharded arrays
+  the finiteness check is already global (:mod:`mpx_jax.distributed`).
 """
 
 from __future__ import annotations
@@ -77,8 +82,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from mpx.accumulation import check_accumulation_steps
+from mpx.errors import MPXError
 from mpx.scaling import ScalerConfig
 from mpx_jax.casting import is_floating_array
+from mpx_jax.distributed import combine_finite
 from mpx_jax.loss_scale import LossScale, all_finite, select_tree
 
 try:  # jax >= 0.4.30
@@ -90,10 +98,18 @@ __all__ = ["LossScalingState", "get_loss_scale", "with_loss_scaling"]
 
 
 class LossScalingState(NamedTuple):
-    """The state of :func:`with_loss_scaling`: the inner optimizer's state and the loss scale."""
+    """The state of :func:`with_loss_scaling`: the inner optimizer's state and the loss scale.
+
+    With ``accumulate=k > 1`` also ``accumulated`` (the sum of the window's
+    scaled gradients so far, at least float32, shaped like the parameters) and
+    ``micro_step`` (int32 scalar, 0 to k - 1: micro-steps done in this window);
+    both are ``None`` (empty subtrees) with ``accumulate=1``.
+    """
 
     inner_state: Any
     loss_scale: LossScale
+    accumulated: Any = None
+    micro_step: Any = None
 
 
 def _skip_where(finite: jax.Array, u: Any) -> Any:
@@ -205,39 +221,124 @@ def _kept_update(
     return jax.tree_util.tree_unflatten(out_tree, updates + new_state)
 
 
+def _widen(x: Any) -> Any:
+    """``x`` as an accumulator leaf: floating leaves at least float32, others unchanged."""
+    if not is_floating_array(x):
+        return x
+    x = jnp.asarray(x)
+    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+
+
+def _skipped_updates(shapes: Any) -> Any:
+    """An update that leaves every parameter bit-identical: ``-0.0`` (``0`` for non-floating leaves)."""
+    def one(sd: Any) -> Any:
+        fill = -0.0 if jnp.issubdtype(sd.dtype, jnp.floating) else 0
+        return jnp.full(sd.shape, fill, sd.dtype)
+
+    return jax.tree_util.tree_map(one, shapes)
+
+
+def _vma(x: Any) -> frozenset:
+    """The mapped axes ``x`` (a value or an aval) varies over under ``shard_map`` (empty elsewhere)."""
+    aval = x if hasattr(x, "manual_axis_type") or hasattr(x, "vma") else jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)  # jax 0.10: ShapedArray.manual_axis_type.varying
+    return frozenset(getattr(mat, "varying", None) or getattr(aval, "vma", None) or ())
+
+
+def _union_vma(a: Sequence[Any], b: Sequence[Any]) -> list[frozenset]:
+    """Per output, the union of two branches' varying axes (from their jaxprs' ``out_avals``)."""
+    return [_vma(x) | _vma(y) for x, y in zip(a, b, strict=True)]
+
+
+def _to_vma(tree: Any, vma: list[frozenset]) -> Any:
+    """Each leaf of ``tree`` cast to vary over its entry of ``vma`` (``lax.pcast``; values unchanged)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    out = []
+    for x, want in zip(leaves, vma, strict=True):
+        missing = tuple(sorted(want - _vma(x), key=str))
+        out.append(jax.lax.pcast(x, missing, to="varying") if missing else x)
+    return jax.tree.unflatten(treedef, out)
+
+
 def with_loss_scaling(
     tx: optax.GradientTransformation,
     config: ScalerConfig | None = None,
     *,
     axis_name: Any = None,
+    accumulate: int = 1,
 ) -> optax.GradientTransformationExtraArgs:
     """Wrap ``tx`` so that it takes gradients of the scaled loss (see the module docs).
 
     Args:
         tx: the inner optax transformation (extra args such as ``value`` are
-            forwarded); an ``optax.MultiSteps`` accumulates unscaled gradients.
+            forwarded); not an ``optax.MultiSteps`` (use ``accumulate``).
         config: the :class:`mpx.ScalerConfig` (default ``mpx.ScalerConfig()``:
-            dynamic, 2**16, growth every 2000 finite steps, floor 1, ceiling 2**24).
+            dynamic, 2**16, growth every 2000 finite optimizer steps, floor 1,
+            ceiling 2**24).
         axis_name: a mapped axis name (or tuple of names) of ``pmap``/``shard_map``
-            over which the finite flag is reduced, so all replicas agree.
+            over which the finite flag is reduced, on top of every mapped axis
+            bound where ``update`` is traced (:func:`mpx_jax.distributed.mapped_axes`);
+            so replicas agree with or without it.
+        accumulate: micro-batches per optimizer step (default 1, no
+            accumulation): ``update`` is called once per micro-batch and applies
+            the inner optimizer to the window's mean gradient on every
+            ``accumulate``-th call (see the module docs).
 
     The returned ``update`` also takes ``loss=`` (the step's loss or scaled
     loss; consumed, not forwarded): with ``config.max_consecutive_skips`` set,
     stuck detection then says whether the loss itself was non-finite
-    (:mod:`mpx_jax.history`).
+    (:mod:`mpx_jax.history`; with accumulation, the loss of the window's last
+    micro-batch).
 
     Returns:
         A transformation whose state is a :class:`LossScalingState`.
 
+    Raises:
+        MPXError: for an ``optax.MultiSteps`` ``tx`` or an ``accumulate`` that is
+            not an int >= 1.
     """
     if isinstance(tx, optax.MultiSteps):
-        tx = tx.gradient_transformation()
+        raise MPXError(
+            "tx: with_loss_scaling got an optax.MultiSteps, which would check every micro-batch and move "
+            "the loss scale once per micro-batch; pass the inner optimizer and accumulate=k instead "
+            "(MultiSteps outside, optax.MultiSteps(with_loss_scaling(tx), k), is not equivalent either: "
+            "its accumulator turns NaN after one non-finite window)."
+        )
+    k = check_accumulation_steps(accumulate, "accumulate")
     scale0 = LossScale.create(config)
     cfg = scale0.config
     inner = optax.with_extra_args_support(tx)
 
     def init_fn(params: Any) -> LossScalingState:
-        return LossScalingState(inner_state=inner.init(params), loss_scale=LossScale.create(cfg))
+        state = LossScalingState(inner_state=inner.init(params), loss_scale=LossScale.create(cfg))
+        if k == 1:
+            return state
+        zeros = jax.tree_util.tree_map(lambda p: jnp.zeros_like(_widen(p)), params)
+        return state._replace(accumulated=zeros, micro_step=jnp.zeros([], jnp.int32))
+
+    def step(
+        grads: Any, inner_state: Any, loss_scale: LossScale, params: Any, extra: dict[str, Any], loss: Any
+    ) -> tuple[Any, Any, LossScale]:
+        """One optimizer step on the (scaled) ``grads``: check, combine over replicas, apply or skip."""
+        # With a scale >= 1 unscaling cannot overflow a finite gradient, so the scaled gradients are
+        # tested as they come: XLA:CPU runs the check as its own pass over every gradient, and with the
+        # unscaling fused into it that pass took ~20% of a float16 MLP step's CPU time, against ~3%
+        # (tests/jax/bench_loss_scaling.py; same bytes).  A scale that can drop below 1 tests the
+        # unscaled gradients.
+        unscaled = loss_scale.unscale(grads)
+        if k > 1:
+            unscaled = jax.tree_util.tree_map(
+                lambda g: g / jnp.asarray(k, g.dtype) if is_floating_array(g) else g, unscaled
+            )
+        finite = combine_finite(all_finite(unscaled if cfg.scale_can_drop_below_one else grads), axis_name)
+        if cfg.skip_nonfinite:
+            # selects, not a cond (see the module docs): -0.0 leaves every parameter bit-identical,
+            # and the NaN updates and moments of a non-finite step are never read
+            new_updates, new_inner = _kept_update(inner, finite, unscaled, inner_state, params, extra)
+        else:
+            new_updates, new_inner = inner.update(unscaled, inner_state, params, **extra)
+        loss_finite = None if loss is None or cfg.max_consecutive_skips is None else all_finite(loss)
+        return new_updates, new_inner, loss_scale.update(finite, loss_finite)
 
     def update_fn(
         updates: Any, state: LossScalingState, params: Any = None, **extra_args: Any
@@ -246,35 +347,48 @@ def with_loss_scaling(
             raise ValueError(
                 f"state: expected the LossScalingState made by this transformation's init, got {type(state).__name__}."
             )
-        loss_scale = state.loss_scale
         loss = extra_args.pop("loss", None)  # for stuck detection only (mpx_jax.history); never forwarded
-        # With a scale >= 1 unscaling cannot overflow a finite gradient, so the scaled gradients are
-        # tested as they come: XLA:CPU runs the check as its own pass over every gradient, and with the
-        # unscaling fused into it that pass took ~20% of a float16 MLP step's CPU time, against ~3%
-        # (tests/jax/bench_loss_scaling.py; same bytes).  A scale that can drop below 1 tests the
-        # unscaled gradients.
-        unscaled = loss_scale.unscale(updates)
-        finite = all_finite(unscaled if cfg.scale_can_drop_below_one else updates)
-        if axis_name is not None:
-            bad = jax.lax.psum(jnp.logical_not(finite).astype(jnp.int32), axis_name)
-            finite = bad == 0
-
-        if cfg.skip_nonfinite:
-            # selects, not a cond (see the module docs): -0.0 leaves every parameter bit-identical,
-            # and the NaN updates and moments of a non-finite step are never read
-            new_updates, new_inner = _kept_update(
-                inner, finite, unscaled, state.inner_state, params, extra_args
+        if k == 1:
+            new_updates, new_inner, new_scale = step(
+                updates, state.inner_state, state.loss_scale, params, extra_args, loss
             )
-        else:
-            new_updates, new_inner = inner.update(unscaled, state.inner_state, params, **extra_args)
-        loss_finite = None if loss is None or cfg.max_consecutive_skips is None else all_finite(loss)
-        return new_updates, LossScalingState(inner_state=new_inner, loss_scale=loss_scale.update(finite, loss_finite))
+            return new_updates, state._replace(inner_state=new_inner, loss_scale=new_scale)
+        if state.accumulated is None or state.micro_step is None:
+            raise ValueError(
+                f"state: made without accumulation, but this transformation accumulates {k} micro-batches; "
+                "build the state with this transformation's init."
+            )
+        acc = jax.tree_util.tree_map(
+            lambda a, g: a + g.astype(a.dtype) if is_floating_array(a) else g, state.accumulated, updates
+        )
+        last = state.micro_step == k - 1
+        shapes = jax.eval_shape(
+            lambda g, s, p, e: inner.update(g, s, p, **e)[0], acc, state.inner_state, params, extra_args
+        )
+
+        def boundary() -> tuple[Any, Any, LossScale]:
+            return step(acc, state.inner_state, state.loss_scale, params, extra_args, loss)
+
+        def accumulating() -> tuple[Any, Any, LossScale]:
+            return _skipped_updates(shapes), state.inner_state, state.loss_scale
+
+        # one branch per window runs the check and the inner optimizer; the others only add.  Under
+        # shard_map both branches must return values varying over the same mapped axes
+        vma = _union_vma(jax.make_jaxpr(boundary)().out_avals, jax.make_jaxpr(accumulating)().out_avals)
+        new_updates, new_inner, new_scale = jax.lax.cond(
+            last, lambda: _to_vma(boundary(), vma), lambda: _to_vma(accumulating(), vma)
+        )
+        new_acc = jax.tree_util.tree_map(
+            lambda a: jnp.where(last, jnp.zeros_like(a), a) if is_floating_array(a) else a, acc
+        )
+        micro = jnp.where(last, jnp.int32(0), state.micro_step + 1).astype(jnp.int32)
+        return new_updates, LossScalingState(new_inner, new_scale, new_acc, micro)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def get_loss_scale(opt_state: Any) -> LossScale:
-    """The :class:`~mpx_jax.LossScale` inside ``opt_state`` (at any depth: chain, MultiSteps...).
+    """The :class:`~mpx_jax.LossScale` inside ``opt_state`` (at any depth: chain, inject_hyperparams...).
 
     Multiply the loss with it: ``get_loss_scale(opt_state).scale(loss)``.
 

@@ -31,6 +31,7 @@ if keras.config.backend() != "tensorflow":
 
 from mpx_tf.autocast import autocast, autocast_op
 from mpx_tf.diagnostics import underflow_stats, watch
+from mpx_tf.distributed import set_reduce_dtype
 from mpx_tf.history import ScalerHistoryCallback
 from mpx_tf.loss_scale_optimizer import LossScaleOptimizer
 from mpx_tf.policy import (
@@ -59,6 +60,7 @@ __all__ = [
     "keras_dtype_policy",
     "policy_scope",
     "set_global_policy",
+    "set_reduce_dtype",
     "underflow_stats",
     "watch",
 ]

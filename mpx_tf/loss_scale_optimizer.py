@@ -17,7 +17,12 @@ gradients, ``apply_gradients``, ``inner_optimizer``, ``variables``,
   ``LossScaleOptimizer`` does), so the model's variables and the inner
   optimizer's (``iterations``, moments) stay bit-identical;
 - under ``tf.distribute`` the finiteness flag is summed over all replicas
-  before the decision, so every replica skips or applies together.
+  before the decision, so every replica skips or applies together;
+- with the inner optimizer's ``gradient_accumulation_steps=k`` the scaler
+  moves once per window of k micro-batches and a window holding a non-finite
+  micro-batch is skipped whole (:mod:`mpx_tf.distributed`, :mod:`mpx.accumulation`);
+- ``reduce_dtype=`` runs the cross-replica gradient sum in that dtype
+  (:func:`mpx_tf.distributed.set_reduce_dtype`).
 
 It subclasses ``keras.optimizers.LossScaleOptimizer`` so that ``model.compile``
 under ``mixed_float16`` does not wrap it a second time.
@@ -34,6 +39,7 @@ import tensorflow as tf
 
 import mpx
 from mpx.errors import MPXError, ScalerConfigError
+from mpx_tf.distributed import Window, reduce_dtype_of, set_reduce_dtype, window_step
 from mpx_tf.history import HistoryBuffer, LossFlag, check_stuck
 
 __all__ = ["LossScaleOptimizer"]
@@ -152,6 +158,17 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             gives ``none`` for bfloat16 policies: the optimizer then only
             counts steps and passes the gradients through.
         name: the optimizer's name.
+        reduce_dtype: keyword only; the dtype of the cross-replica gradient sum
+            under ``tf.distribute`` (a dtype, or an :class:`mpx.Policy` / spec
+            for its ``reduce_dtype``); None (default) sums in the gradients' dtype.
+
+    Gradient accumulation: give the *inner* optimizer
+    ``gradient_accumulation_steps=k``.  ``scale_loss`` then uses one scale for
+    the k micro-batches of a window, the scaler makes one transition per window
+    (``total_steps`` counts windows), and a window with a non-finite
+    micro-batch is skipped whole: the model's and the inner optimizer's
+    variables (moments, accumulators, ``iterations``) end bit-identical to
+    before the window, so ``iterations`` counts applied optimizer steps.
 
     In ``model.fit`` Keras's train step calls :meth:`scale_loss` and
     :meth:`apply_gradients` itself, whatever the dtype policy.  In a custom
@@ -185,8 +202,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         initial_scale: float | None = None,
         dynamic_growth_steps: int | None = None,
         dynamic: bool = True,
+        reduce_dtype: Any = None,
         **kwargs: Any,
     ) -> None:
+        reduce = reduce_dtype_of(reduce_dtype)
         cfg = _keras_arguments(_as_config(config), initial_scale, dynamic_growth_steps, dynamic, kwargs)
         if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
             raise MPXError(
@@ -203,6 +222,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             name=name,
         )
         self._config = cfg
+        self._reduce_dtype = reduce
+        if reduce is not None:
+            set_reduce_dtype(inner_optimizer, reduce)
 
         # The state is created here, not in build(): scale_loss() in a traced
         # step must read a variable even before the first apply().
@@ -278,7 +300,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         )
 
     # -- the step ----------------------------------------------------------------------
-    def _unscale(self, grads: list[Any], trainable_variables: Sequence[Any] | None) -> tuple[list[Any], Any]:
+    def _unscale(
+        self, grads: list[Any], trainable_variables: Sequence[Any] | None, check: bool = True
+    ) -> tuple[list[Any], Any]:
         """(unscaled gradients, bool tensor: all the unscaled ones finite) on one replica.
 
         The check is on the unscaled gradients (the ones applied), as mpx_jax's: a
@@ -292,34 +316,58 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 g if g is None or self._overwrite_variable_with_gradient(v) else _divide(g, scale)
                 for g, v in zip(grads, variables, strict=True)
             ]
+        if not check:  # accumulation: the window's check runs at its last micro-batch (Window.finite)
+            return grads, tf.constant(True)
         flags = [tf.reduce_all(tf.math.is_finite(_values(g))) for g in grads if g is not None]
         finite = tf.reduce_all(tf.stack(flags)) if flags else tf.constant(True)
         return grads, finite
 
+    def _window(self) -> Window | None:
+        return Window(self.inner_optimizer) if self.inner_optimizer.gradient_accumulation_steps else None
+
     def _replica_apply(self, grads: list[Any], trainable_variables: Any) -> None:
-        grads, finite = self._unscale(grads, trainable_variables)
+        window = self._window()
+        grads, finite = self._unscale(grads, trainable_variables, check=window is None)
         ctx = tf.distribute.get_replica_context()
-        if ctx is not None and ctx.num_replicas_in_sync > 1:
-            nonfinite = ctx.all_reduce(
-                tf.distribute.ReduceOp.SUM, tf.cast(tf.logical_not(finite), tf.float32)
-            )
-            finite = tf.equal(nonfinite, 0.0)
-        self._apply_unless_skipped(finite, lambda: self.inner_optimizer.apply(grads, trainable_variables))
-        self._transition(finite)
+
+        def combined(finite: Any) -> Any:
+            if ctx is not None and ctx.num_replicas_in_sync > 1:
+                nonfinite = ctx.all_reduce(tf.distribute.ReduceOp.SUM, tf.cast(tf.logical_not(finite), tf.float32))
+                finite = tf.equal(nonfinite, 0.0)
+            return finite
+
+        def apply_fn() -> None:
+            self.inner_optimizer.apply(grads, trainable_variables)
+
+        if window is None:
+            finite = combined(finite)
+            self._apply_unless_skipped(finite, apply_fn)
+            self._transition(finite)
+            return
+
+        def last_fn() -> None:
+            finite = combined(window.finite(grads, trainable_variables))
+            self._apply_unless_skipped(finite, apply_fn, window.skip)
+            self._transition(finite)
+
+        window_step(window, apply_fn, last_fn)
 
     def _cross_replica_apply(self, distribution: Any, grads: Any, trainable_variables: Any) -> None:
         # Unscale and check on each replica, then decide once for all of them.
+        window = self._window()
         unscaled, finite_per_replica = distribution.extended.call_for_each_replica(
-            self._unscale, args=(grads, trainable_variables)
+            self._unscale, args=(grads, trainable_variables, window is None)
         )
-        nonfinite = distribution.reduce(
-            tf.distribute.ReduceOp.SUM,
-            distribution.extended.call_for_each_replica(
-                lambda f: tf.cast(tf.logical_not(f), tf.float32), args=(finite_per_replica,)
-            ),
-            axis=None,
-        )
-        finite = tf.equal(nonfinite, 0.0)
+
+        def combined(finite_per_replica: Any) -> Any:
+            nonfinite = distribution.reduce(
+                tf.distribute.ReduceOp.SUM,
+                distribution.extended.call_for_each_replica(
+                    lambda f: tf.cast(tf.logical_not(f), tf.float32), args=(finite_per_replica,)
+                ),
+                axis=None,
+            )
+            return tf.equal(nonfinite, 0.0)
 
         def apply_fn() -> None:
             distribution.extended.call_for_each_replica(
@@ -328,12 +376,26 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
         # In cross-replica context, as Keras does: a cond in replica context
         # cannot hold the merge_call the inner optimizer makes.
-        self._apply_unless_skipped(finite, apply_fn)
-        self._transition(finite)
+        if window is None:
+            finite = combined(finite_per_replica)
+            self._apply_unless_skipped(finite, apply_fn)
+            self._transition(finite)
+            return
 
-    def _apply_unless_skipped(self, finite: Any, apply_fn: Any) -> None:
+        def last_fn() -> None:
+            finite = combined(
+                distribution.extended.call_for_each_replica(window.finite, args=(unscaled, trainable_variables))
+            )
+            self._apply_unless_skipped(
+                finite, lambda: window.apply(distribution, unscaled, trainable_variables), window.skip
+            )
+            self._transition(finite)
+
+        window_step(window, lambda: window.accumulate(distribution, unscaled, trainable_variables), last_fn)
+
+    def _apply_unless_skipped(self, finite: Any, apply_fn: Any, skip_fn: Any = None) -> None:
         if self._config.skip_nonfinite:
-            keras.ops.cond(finite, apply_fn, lambda: None)
+            keras.ops.cond(finite, apply_fn, skip_fn or (lambda: None))
         else:
             apply_fn()
 
@@ -460,6 +522,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             "name": self.name,
             "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
             "config": self._config.to_dict(),
+            **({"reduce_dtype": self._reduce_dtype} if self._reduce_dtype is not None else {}),
         }
 
     @classmethod

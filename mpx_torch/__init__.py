@@ -9,6 +9,7 @@
 
 from mpx_torch.autocast import autocast, to_torch_dtype
 from mpx_torch.diagnostics import underflow_stats, watch
+from mpx_torch.distributed import fsdp_mixed_precision, fully_shard, register_comm_hook
 from mpx_torch.grad_scaler import GradScaler
 from mpx_torch.history import log_history
 from mpx_torch.prepare import module_category, prepare
@@ -16,9 +17,12 @@ from mpx_torch.prepare import module_category, prepare
 __all__ = [
     "GradScaler",
     "autocast",
+    "fsdp_mixed_precision",
+    "fully_shard",
     "log_history",
     "module_category",
     "prepare",
+    "register_comm_hook",
     "to_torch_dtype",
     "underflow_stats",
     "watch",

@@ -48,6 +48,7 @@ from mpx.scaling import _finite_float, f32
 from mpx_torch._compile import eager_under_dynamo, make_eager
 from mpx_torch._device_state import DeviceState as _DeviceState
 from mpx_torch._scaler_state import NATIVE_KEYS, as_config, native_to_neutral
+from mpx_torch.distributed import agree_found_inf, check_process_group, group_to_agree
 from mpx_torch.history import HistoryBuffer, check_stuck, loss_finite_flag
 
 __all__ = ["GradScaler", "OptState"]
@@ -62,7 +63,8 @@ class OptState(Enum):
 
 
 def _refresh_per_optimizer_state() -> dict[str, Any]:
-    return {"stage": OptState.READY, "found_inf_per_device": {}}
+    # agreed: found_inf_per_device already holds the flag combined over the process group
+    return {"stage": OptState.READY, "found_inf_per_device": {}, "agreed": False}
 
 
 def _has_fresh_state(optimizer: torch.optim.Optimizer) -> bool:
@@ -93,6 +95,18 @@ class GradScaler:
             :meth:`scale`.  Unlike ``torch.amp.GradScaler``, whose first
             argument is the device, the device comes second here.
         enabled: False makes the scaler a pass-through, as in torch.
+        process_group: the ranks that must take the same decision.  None (the
+            default) means the default (world) group once torch.distributed is
+            initialized, and nothing (no distributed call) otherwise; a
+            ``torch.distributed.ProcessGroup`` means that group.  With more
+            than one rank, each optimizer's found-inf flag is combined over
+            the group before its step decides to skip (one
+            ``all_reduce(MAX)`` of one float32 flag per optimizer per step,
+            no host sync), so every rank skips, backs off and grows together
+            (as FSDP1's ``ShardedGradScaler`` does; under FSDP2, DTensor's
+            found-inf kernel already combines its shards' flags over the mesh).
+            A group of one rank (``dist.new_group([rank])``) keeps the
+            decision local.
 
     A config of kind ``none`` (the default for bfloat16 policies) whose
     ``skip_nonfinite`` is False also makes a pass-through: :meth:`scale`
@@ -111,7 +125,8 @@ class GradScaler:
     :meth:`step`, as in torch.  :meth:`update` never syncs.
 
     Raises:
-        mpx.ScalerConfigError: for a bad config, and mpx.PolicyError for a bad spec.
+        mpx.ScalerConfigError: for a bad config, mpx.PolicyError for a bad spec,
+            and mpx.MPXError for a bad ``process_group``.
     """
 
     def __init__(
@@ -120,8 +135,10 @@ class GradScaler:
         device: str | torch.device | None = None,
         *,
         enabled: bool = True,
+        process_group: Any = None,
     ) -> None:
         self._config = as_config(config)
+        self._process_group = check_process_group(process_group)
         make_eager()  # compiled steps call the scaler's methods eagerly (mpx_torch._compile)
         if device is not None:
             try:
@@ -177,7 +194,9 @@ class GradScaler:
         if self._passthrough():
             return outputs
         if self._config.max_consecutive_skips is not None:  # stuck detection tells a non-finite loss apart
-            self._loss_finite = loss_finite_flag(outputs)
+            # every loss scaled since the last update (the micro-batches of an accumulation window)
+            flag, seen = loss_finite_flag(outputs), self._loss_finite
+            self._loss_finite = flag if seen is None or flag is None else seen & flag
         if isinstance(outputs, torch.Tensor):
             tensors = self._lazy_init(outputs.device)
             return outputs * tensors.scale.to(device=outputs.device, non_blocking=True)
@@ -304,6 +323,10 @@ class GradScaler:
         returns, or None for a skipped step.  A skipped step leaves parameters
         and optimizer state untouched.  A non-fused optimizer costs one host
         sync (as in torch); fused ones get ``grad_scale`` and ``found_inf``.
+        Across ranks (see ``process_group``) the flag is combined over the
+        group first, so every rank takes the same decision.  (An optimizer
+        with torch's legacy ``grad_scaler=`` step argument decides by itself;
+        its flags are combined in :meth:`update`.)
 
         Raises:
             RuntimeError: for a ``closure`` argument, or when called twice since the last :meth:`update`.
@@ -337,6 +360,7 @@ class GradScaler:
                     self.unscale_(optimizer)
                 else:
                     self._check_inf_per_device(optimizer)
+            self._agree(optimizer_state, tensors)
             found_inf = sum(
                 t.to(tensors.device, non_blocking=True)
                 for t in optimizer_state["found_inf_per_device"].values()
@@ -368,6 +392,7 @@ class GradScaler:
             self.unscale_(optimizer)
         if len(optimizer_state["found_inf_per_device"]) == 0:
             raise AssertionError("No inf checks were recorded for this optimizer.")
+        self._agree(optimizer_state, tensors)
         retval = None
         if not self._config.skip_nonfinite or not sum(
             v.item() for v in optimizer_state["found_inf_per_device"].values()
@@ -375,6 +400,19 @@ class GradScaler:
             retval = optimizer.step(*args, **kwargs)
         optimizer_state["stage"] = OptState.STEPPED
         return retval
+
+    @eager_under_dynamo  # called by step(), whose callees dynamo compiles: nothing here is traced
+    def _agree(self, optimizer_state: dict[str, Any], tensors: _DeviceState) -> None:
+        """Replace the optimizer's found-inf flags by one combined over the process group (once a step)."""
+        if optimizer_state["agreed"]:
+            return
+        group = group_to_agree(self._process_group)
+        if group is not None:
+            flags = optimizer_state["found_inf_per_device"].values()
+            optimizer_state["found_inf_per_device"] = {
+                tensors.device: agree_found_inf(flags, tensors.device, group)
+            }
+        optimizer_state["agreed"] = True
 
     @eager_under_dynamo
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
@@ -420,7 +458,13 @@ class GradScaler:
             ]
             if not found_infs:
                 raise AssertionError("No inf checks were recorded prior to update.")
-            combined = found_infs[0] if len(found_infs) == 1 else torch.stack(found_infs).sum()
+            group = None
+            if not all(state["agreed"] for state in self._per_optimizer_states.values()):
+                group = group_to_agree(self._process_group)  # unscale_() without step(): agree here
+            if group is not None:
+                combined = agree_found_inf(found_infs, tensors.device, group)
+            else:
+                combined = found_infs[0] if len(found_infs) == 1 else torch.stack(found_infs).sum()
             tensors.advance(self._config, combined)
             if self._history is not None:
                 if not isinstance(self._history, HistoryBuffer):

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-NAMES = ["keras-fit", "keras-custom-loop", "keras-quickstart"]
+NAMES = ["keras-fit", "keras-custom-loop", "keras-quickstart", "keras-distributed"]
 #: what an example's output must contain, where it says so
-EXPECT = {"keras-quickstart": "['bfloat16', 'float32']"}
+EXPECT = {"keras-quickstart": "['bfloat16', 'float32']", "keras-distributed": "2\n"}
 BLOCK = re.compile(r"```python\n(# readme-example: (?P<name>[\w-]+)\n.*?)```", re.S)
 
 

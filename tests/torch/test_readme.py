@@ -9,7 +9,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 #: example name -> what its output must contain
-NAMES = {"torch": "accuracy", "torch-quickstart": "torch.float32 65536.0"}
+NAMES = {"torch": "accuracy", "torch-quickstart": "torch.float32 65536.0", "torch-ddp": "[(65536.0, 3), (65536.0, 3)]"}
 
 
 def example(name: str) -> str:
@@ -22,7 +22,9 @@ def example(name: str) -> str:
 
 
 @pytest.mark.parametrize("name", list(NAMES))
-def test_readme_example_runs(name):
-    out = subprocess.run([sys.executable, "-c", example(name)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+def test_readme_example_runs(name, tmp_path):
+    script = tmp_path / "example.py"  # a file, not -c: torch.multiprocessing.spawn re-imports __main__
+    script.write_text(example(name))
+    out = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, f"{name}:\n{out.stdout}\n{out.stderr}"
     assert NAMES[name] in out.stdout
