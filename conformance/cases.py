@@ -13,7 +13,7 @@ from typing import Any
 import mpx
 
 Case = dict[str, Any]
-GROUPS = ("policy", "ops", "scaler", "skip", "numerics", "portability")
+GROUPS = ("policy", "ops", "scaler", "skip", "numerics", "portability", "distributed", "accumulation")
 
 POLICY_SPECS = (
     *mpx.PRESETS,
@@ -253,7 +253,7 @@ def portability_cases() -> list[Case]:
 
 def all_cases() -> list[Case]:
     return (policy_cases() + op_cases() + scaler_cases() + stuck_cases() + skip_cases() + numeric_cases()
-            + portability_cases())  # fmt: skip
+            + portability_cases() + distributed_cases() + accumulation_cases())  # fmt: skip
 
 
 def saved_prefix_state() -> dict:
@@ -262,3 +262,102 @@ def saved_prefix_state() -> dict:
     for finite in PORTABILITY_PREFIX:
         scaler.update(finite)
     return scaler.state_dict()
+
+
+# -- replicas and accumulation (issue 16) ---------------------------------------------------------
+
+#: Replicas: the scaler config and the global flag sequence; a False step puts an inf on the last
+#: replica only.  Growth every 2nd finite step, so a replica that misses an overflow grows ahead.
+DISTRIBUTED_CONFIG = {"init_scale": 2.0**10, "growth_interval": 2}
+DISTRIBUTED_FLAGS = [T, F, T, T, F]
+#: (id, where the inf enters on the last replica, words)
+DISTRIBUTED_SCENARIOS: list[tuple[str, str, str]] = [
+    ("inf_in_loss_one_replica", "loss",
+     "an inf in the last replica's loss (before the gradient reduction)"),
+    ("inf_in_grads_after_reduce", "grads_after_reduce",
+     "an inf entering the last replica's gradients after the reduction (a hook, a custom reduction, a clipping bug)"),
+]  # fmt: skip
+#: engine kind -> what each backend runs for it (a backend without one skips and says why)
+DISTRIBUTED_ENGINES = {
+    "per_replica": "each replica runs its own step and reduces gradients (torch DDP on 2 gloo processes, "
+    "tf MirroredStrategy on 2 logical CPUs, JAX shard_map over 4 host devices with a pmean)",
+    "sharded": "one program over sharded state (torch FSDP2 fully_shard on 2 gloo processes, JAX jit with "
+    "NamedSharding over 4 host devices)",
+}
+
+
+def distributed_cases() -> list[Case]:
+    config = mpx.ScalerConfig(**DISTRIBUTED_CONFIG)
+    flags = list(DISTRIBUTED_FLAGS)
+    expected = {"consistent": True, "scales": _trace(config, flags), "applied": flags}
+    out = []
+    for id_, where, words in DISTRIBUTED_SCENARIOS:
+        for engine, engines in DISTRIBUTED_ENGINES.items():
+            out.append(
+                _case(
+                    "distributed", f"{id_}.{engine}", "distributed",
+                    {"scenario": where, "engine": engine, "config": config.to_dict(), "flags": flags},
+                    expected,
+                    f"{words} at steps {[i for i, f in enumerate(flags) if not f]} of {len(flags)}, {engines}: "
+                    "every replica skips and backs off together (parameters bit-identical across replicas, "
+                    "every shard updated or none, one scale trace: the core's for the global flags)",
+                )
+            )  # fmt: skip
+    return out
+
+
+#: Accumulation: the scaler config, the learning rate (SGD) and the micro-batch flag sequences.  Micro-batch
+#: j's loss is c_j * sum(w) with c_j = j % 4 + 1, so every window mean and update is exact in float32.
+ACCUMULATION_CONFIG = {"init_scale": 2.0**10, "growth_interval": 2}
+ACCUMULATION_LR = 0.5
+ACCUMULATION_W0 = 8.0
+#: (id, k, micro-batch flags, words)
+ACCUMULATION_SEQUENCES: list[tuple[str, int, list[bool], str]] = [
+    ("k2.growth", 2, [T] * 10, "every micro-batch finite: the scale grows every 2nd window, not every 2nd micro-batch"),
+    ("k2.bad_first", 2, [F, T, T, T, T, T, T, T], "a non-finite first micro-batch skips its whole window"),
+    ("k2.bad_last", 2, [T, F, T, T, T, T, T, T], "a non-finite last micro-batch skips its whole window"),
+    ("k2.consecutive_bad_windows", 2, [T, F, F, T, T, T, T, T, T, T],
+     "two windows in a row with a non-finite micro-batch: two skips, two backoffs"),
+    ("k4.growth", 4, [T] * 16, "every micro-batch finite, 4 per window"),
+    ("k4.bad_first", 4, [F, T, T, T, T, T, T, T, T, T, T, T], "a non-finite first micro-batch of 4 skips the window"),
+    ("k4.bad_last", 4, [T, T, T, F, T, T, T, T, T, T, T, T], "a non-finite last micro-batch of 4 skips the window"),
+    ("k4.consecutive_bad_windows", 4, [T, F, T, T, T, T, F, F, T, T, T, T, T, T, T, T],
+     "consecutive windows with non-finite micro-batches (one of them holding two)"),
+]  # fmt: skip
+
+
+def accumulation_expected(config: mpx.ScalerConfig, flags: list[bool], steps: int) -> dict:
+    """What every backend must observe per optimizer step, from :func:`mpx.accumulation_trace`.
+
+    ``applied`` and ``scales`` (after each window's one transition) per window; ``micro_scales``: the scale
+    each micro-batch's loss is multiplied by (the scale before its window's transition); ``param``: the
+    final value of every parameter entry, ``w0 - lr * mean(c_j over the window)`` for every applied window.
+    """
+    trace = mpx.accumulation_trace(config, flags, steps)
+    scales = [t["scale"] for t in trace]
+    before = [config.init_scale if config.kind != "none" else 1.0, *scales[:-1]]
+    w = ACCUMULATION_W0
+    for i, t in enumerate(trace):
+        if t["applied"]:
+            w -= ACCUMULATION_LR * sum(j % 4 + 1 for j in range(i * steps, (i + 1) * steps)) / steps
+    return {
+        "applied": [t["applied"] for t in trace],
+        "scales": scales,
+        "micro_scales": [before[j // steps] for j in range(len(flags))],
+        "param": w,
+    }
+
+
+def accumulation_cases() -> list[Case]:
+    config = mpx.ScalerConfig(**ACCUMULATION_CONFIG)
+    return [
+        _case(
+            "accumulation", id_, "accumulation",
+            {"config": config.to_dict(), "flags": flags, "steps": k, "lr": ACCUMULATION_LR, "w0": ACCUMULATION_W0},
+            accumulation_expected(config, flags, k),
+            f"gradient accumulation over {k} micro-batches per optimizer step: {words}; the scaler moves once "
+            "per optimizer step, the loss scale is constant inside a window, a window with a non-finite "
+            "micro-batch is skipped whole (its finite micro-batches too)",
+        )
+        for id_, k, flags, words in ACCUMULATION_SEQUENCES
+    ]  # fmt: skip

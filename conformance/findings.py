@@ -30,7 +30,7 @@ from typing import Any
 
 import mpx
 
-__all__ = ["KINDS", "KIND_HELP", "NATIVE", "SCALER_NAME", "SEVERITIES", "SEVERITY_HELP", "findings", "summary",
+__all__ = ["ACCUMULATION_NAME", "KINDS", "KIND_HELP", "NATIVE", "REPLICA_NAME", "SCALER_NAME", "SEVERITIES", "SEVERITY_HELP", "findings", "summary",
            "trace_cause"]
 
 KINDS = ("precision hazard", "scaler semantics", "default differs", "API or format gap")
@@ -50,13 +50,22 @@ SEVERITY_HELP = {
 }
 #: What "native" means for each backend: the machinery the native column runs.
 NATIVE = {
-    "torch": "torch.autocast (CPU) and torch.amp.GradScaler, with their defaults",
-    "tf": "Keras 3 dtype policies (keras.mixed_precision) and keras.optimizers.LossScaleOptimizer",
+    "torch": "torch.autocast (CPU) and torch.amp.GradScaler, with their defaults; DDP and FSDP2 (fully_shard "
+    "with a MixedPrecisionPolicy) on gloo; accumulation as scale(loss).backward() k times, then step/update",
+    "tf": "Keras 3 dtype policies (keras.mixed_precision) and keras.optimizers.LossScaleOptimizer, under "
+    "MirroredStrategy for replicas and with the inner optimizer's gradient_accumulation_steps",
     "jax": "plain JAX with jmp-style casts (inputs and params cast to the compute dtype), optax, "
-    "and Flax's DynamicScale",
+    "and Flax's DynamicScale; a jmp-style loss scale (no axis name) under shard_map and jit sharding, "
+    "optax.MultiSteps for accumulation",
 }
 #: The native loss scaler of each backend.
 SCALER_NAME = {"torch": "torch.amp.GradScaler", "tf": "Keras's LossScaleOptimizer", "jax": "Flax's DynamicScale"}
+#: What runs replicas natively (group ``distributed``) and accumulates (group ``accumulation``).
+REPLICA_NAME = {"torch": "torch.amp.GradScaler under DDP", "tf": "Keras's LossScaleOptimizer under MirroredStrategy",
+                "jax": "a jmp-style loss scale under shard_map (no axis_name)"}
+ACCUMULATION_NAME = {"torch": "torch.amp.GradScaler with accumulated backward passes",
+                     "tf": "Keras's gradient_accumulation_steps under its LossScaleOptimizer",
+                     "jax": "optax.MultiSteps with a per-micro-batch loss scale"}  # fmt: skip
 _WIDTH = {"float64": 64, "float32": 32, "float16": 16, "bfloat16": 16}
 
 
@@ -174,6 +183,11 @@ def _classify(r: dict, params: dict) -> tuple[str, str, str]:
         return "scaler semantics", "medium", "trace:" + "+".join(cause)
     if group == "skip":
         return "scaler semantics", "high", "skip"
+    if group == "distributed" and isinstance(obs, dict) and "consistent" in obs:
+        # replicas that disagree, or agree on applying a step that is non-finite on one of them
+        return "scaler semantics", "high", "replicas:diverge" if not obs["consistent"] else "replicas:applied"
+    if group == "accumulation" and isinstance(obs, dict) and "scales" in obs:
+        return "scaler semantics", "medium", "accumulation"
     if group == "portability":
         if r["case"] == "portability.saves_neutral_format":
             return "API or format gap", "medium", "saves"
@@ -277,6 +291,23 @@ def _explain(backend: str, kind: str, topic: str, rows: list[dict]) -> tuple[str
         return (f"{name}: a step with inf/NaN gradients is applied, not skipped: {_n(len(rows), 'case')}",
                 "One overflowing step writes inf/NaN into the parameters or the optimizer moments, and "
                 "training cannot recover from it.", extra)  # fmt: skip
+    if topic == "replicas:diverge":
+        engines = _list([r["observed"].get("engine", "") for r in rows], 3)
+        return (f"{REPLICA_NAME.get(backend, backend)}: replicas take different skip decisions: {_n(len(rows), 'case')}",
+                f"An inf that reaches one replica's gradients after the reduction ({engines}) makes only that "
+                "replica skip and back off while the others step and grow, so the parameters diverge silently "
+                "and the replicas train different models.", extra)  # fmt: skip
+    if topic == "replicas:applied":
+        return (f"{REPLICA_NAME.get(backend, backend)}: a step non-finite on one replica is applied: {_n(len(rows), 'case')}",
+                "Keras checks each replica's gradients before the all-reduce and acts on the first replica's flag, so an inf on another "
+                "replica is summed into every replica's update: all parameters become inf/NaN and every "
+                "later step is skipped.", extra)  # fmt: skip
+    if topic == "accumulation":
+        return (f"{ACCUMULATION_NAME.get(backend, backend)}: the scale moves per micro-batch and only the bad "
+                f"micro-batch is dropped: {_n(len(rows), 'trace')}",
+                "The same config grows the scale up to k times faster per optimizer step than torch and mpx, "
+                "and a window with an overflow is applied without its bad micro-batch, so scale traces "
+                "and updates differ from other frameworks' for the same run.", extra)  # fmt: skip
     if topic == "saves":
         keys = _list(sorted((rows[0].get("observed") or {}).get("state_dict", {}) or {}), 4)
         return (f"{name} saves its own state format ({keys})",

@@ -86,6 +86,14 @@ def _fmt(value: Any) -> str:
             return f"error <= {value['max_rel_error_at_most']:g}"
         if set(value) >= {"params", "compute", "output"}:
             return f"{value['params']}/{value['compute']}/{value['output']}"
+        if "consistent" in value and "scales" in value:  # distributed: replicas, applied steps, scale trace
+            agree = "replicas agree" if value["consistent"] else "replicas DIVERGE"
+            return (f"{agree}; applied {_yn(value.get('applied'))}; scales {_scales(value['scales'])}"
+                    + ("" if value.get("params_finite", True) else "; parameters inf/NaN"))  # fmt: skip
+        if "micro_scales" in value and "scales" in value:  # accumulation: per optimizer step
+            param = value.get("param")
+            return (f"applied {_yn(value.get('applied'))}; scales {_scales(value['scales'])}"
+                    + (f"; w {param:g}" if isinstance(param, float) else ""))  # fmt: skip
         if "scales" in value:
             extra = f", {value['skipped']} skipped" if "skipped" in value else ""
             last = _scale(value["scales"][-1]) if value["scales"] else "-"
@@ -100,8 +108,20 @@ def _fmt(value: Any) -> str:
     return json.dumps(value, default=str)
 
 
+#: groups whose results carry a scale trace (one value per optimizer step) to align and plot
+TRACE_GROUPS = ("scaler", "portability", "distributed", "accumulation")
+
+
 def _scale(v: float) -> str:
     return f"{v:.9g}"
+
+
+def _yn(flags: Any) -> str:
+    return "".join("Y" if f else "n" for f in flags) if isinstance(flags, list) else "-"
+
+
+def _scales(scales: list) -> str:
+    return " ".join(_scale(v) for v in scales)
 
 
 def _observed(r: dict | None) -> str:
@@ -110,7 +130,8 @@ def _observed(r: dict | None) -> str:
     if r["status"] == "skip":
         return "skip: " + (r.get("detail") or "")
     text = _fmt(r.get("observed"))
-    if r["status"] == "differs" and isinstance(r.get("observed"), dict) and "scales" in r["observed"]:
+    grouped = r.get("group") in ("distributed", "accumulation")  # their text already shows the whole trace
+    if not grouped and r["status"] == "differs" and isinstance(r.get("observed"), dict) and "scales" in r["observed"]:
         at = plots.first_divergence(r["expected"].get("scales", []), r["observed"]["scales"])
         if at is not None:
             obs, exp = r["observed"]["scales"], r["expected"]["scales"]
@@ -192,7 +213,7 @@ def _numerics_rows(data: dict, backend: str) -> list[tuple[str, float, float | N
 
 def _trace_rows(data: dict, backend: str) -> list[tuple[str, list[float], list[float] | None]]:
     rows = []
-    for g in ("scaler", "portability"):
+    for g in TRACE_GROUPS:
         for case, row in _by_case(data).get(g, {}).items():
             r = row.get((backend, "native"))
             spec = (row.get((backend, "mpx")) or r or {}).get("expected", {})
@@ -227,7 +248,7 @@ def _aligned_traces(data: dict) -> list[tuple[str, list[str], list[list[str]], l
     """Per trace case with a native divergence: (case, header, rows, diverging flags) aligned by step."""
     specs = data.get("cases", {})
     out = []
-    for g in ("scaler", "portability"):
+    for g in TRACE_GROUPS:
         for case, row in _by_case(data).get(g, {}).items():
             natives = {b: row.get((b, "native")) for b in data["backends"]}
             traces = {b: r["observed"]["scales"] for b, r in natives.items()
@@ -236,7 +257,11 @@ def _aligned_traces(data: dict) -> list[tuple[str, list[str], list[list[str]], l
             if ref is None or not any(natives[b] and natives[b]["status"] == "differs" for b in traces):
                 continue
             spec = ref["expected"]["scales"]
-            flags = (specs.get(case, {}).get("params") or {}).get("flags")
+            params = specs.get(case, {}).get("params") or {}
+            flags = params.get("flags")
+            if flags and params.get("steps"):  # accumulation: one row per optimizer step (window)
+                k = params["steps"]
+                flags = [all(flags[i : i + k]) for i in range(0, len(flags), k)]
             n = max(len(spec), *(len(t) for t in traces.values()))
             head = ["step", "finite", "spec", *(f"{b} native" for b in traces)]
             rows, marks = [], []

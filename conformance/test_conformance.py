@@ -12,6 +12,7 @@ import json
 
 import pytest
 
+import mpx
 from conformance import cases as C
 from conformance import report
 from conformance.runner import run
@@ -79,6 +80,23 @@ KNOWN_DIVERGENCES = {
         "numerics.log_softmax.mixed_bfloat16", "ops.softmax.keep_fp32=none.float32",
     ],
 }  # fmt: skip
+#: issue 16: replicas and accumulation (REFERENCES.md, "Native behaviour on the paths users scale to")
+KNOWN_DIVERGENCES["torch"] += ["distributed.inf_in_grads_after_reduce.per_replica"]  # DDP: ranks diverge
+KNOWN_DIVERGENCES["tf"] += [  # Keras's LSO under MirroredStrategy applies a step non-finite on replica 1
+    "distributed.inf_in_loss_one_replica.per_replica", "distributed.inf_in_grads_after_reduce.per_replica",
+    *(c["id"] for c in C.accumulation_cases()),  # gradient_accumulation_steps: scale per micro-batch
+]  # fmt: skip
+KNOWN_DIVERGENCES["jax"] += [  # shard_map without axis_name: shards diverge; MultiSteps: scale per micro-batch
+    "distributed.inf_in_grads_after_reduce.per_replica", *(c["id"] for c in C.accumulation_cases()),
+]  # fmt: skip
+#: ...and where the framework's own machinery already follows the contract
+KNOWN_AGREEMENTS = {
+    "torch": ["distributed.inf_in_loss_one_replica.per_replica", "distributed.inf_in_loss_one_replica.sharded",
+              "distributed.inf_in_grads_after_reduce.sharded",  # DTensor all-reduces GradScaler's found_inf
+              *(c["id"] for c in C.accumulation_cases())],
+    "jax": ["distributed.inf_in_loss_one_replica.per_replica", "distributed.inf_in_loss_one_replica.sharded",
+            "distributed.inf_in_grads_after_reduce.sharded"],
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("backend,case", [(b, c) for b, cs in KNOWN_DIVERGENCES.items() for c in cs])
@@ -86,6 +104,71 @@ def test_known_native_divergences_are_detected(data, backend, case):
     if backend not in INSTALLED:
         pytest.skip(f"{BACKENDS[backend]} is not installed")
     assert _result(data, backend, case, "native")["status"] == "differs"
+
+
+@pytest.mark.parametrize("backend,case", [(b, c) for b, cs in KNOWN_AGREEMENTS.items() for c in cs])
+def test_known_native_agreements_pass(data, backend, case):
+    if backend not in INSTALLED:
+        pytest.skip(f"{BACKENDS[backend]} is not installed")
+    assert _result(data, backend, case, "native")["status"] == "pass"
+
+
+def test_replica_and_accumulation_groups_are_listed():
+    groups = {g: [c for c in C.all_cases() if c["group"] == g] for g in ("distributed", "accumulation")}
+    assert {"distributed", "accumulation"} <= set(C.GROUPS)
+    assert {c["id"] for c in groups["distributed"]} >= {
+        f"distributed.{s}.{e}" for s in ("inf_in_loss_one_replica", "inf_in_grads_after_reduce")
+        for e in ("per_replica", "sharded")
+    }  # fmt: skip
+    assert {c["params"]["steps"] for c in groups["accumulation"]} == {2, 4}
+    for c in groups["accumulation"]:  # the expectation is the core's reference, per optimizer step
+        trace = mpx.accumulation_trace(mpx.ScalerConfig.from_dict(c["params"]["config"]), c["params"]["flags"],
+                                       c["params"]["steps"])  # fmt: skip
+        assert c["expected"]["scales"] == [t["scale"] for t in trace]
+        assert c["expected"]["applied"] == [t["applied"] for t in trace]
+
+
+def test_accumulation_traces_are_identical_across_backends(data):
+    """Under mpx the three backends give the same per-optimizer-step trace, skip decisions and parameters."""
+    if len(INSTALLED) < 2:
+        pytest.skip("needs two installed backends")
+    for case in C.accumulation_cases():
+        seen = {b: _result(data, b, case["id"], "mpx")["observed"] for b in INSTALLED}
+        assert all(seen[b] == seen[INSTALLED[0]] for b in INSTALLED), (case["id"], seen)
+
+
+def test_keras_and_multisteps_share_the_per_micro_batch_rule(data):
+    """Natively Keras and optax.MultiSteps agree with each other (drop the bad micro-batch, move per micro-batch)."""
+    if not {"tf", "jax"} <= set(INSTALLED):
+        pytest.skip("needs tf and jax")
+    for case in C.accumulation_cases():
+        tf_obs, jax_obs = (_result(data, b, case["id"], "native")["observed"] for b in ("tf", "jax"))
+        assert tf_obs == jax_obs != case["expected"], case["id"]
+
+
+def test_replica_results_name_their_engine_and_skip_with_a_reason(data):
+    for r in data["results"]:
+        if r["group"] != "distributed":
+            continue
+        if r["status"] == "skip":
+            assert len(r["detail"]) > 40, r  # says why (no engine, or the replicas could not be launched)
+        elif r["status"] == "pass":
+            assert r["detail"].startswith("engine: "), r
+
+
+def test_a_backend_that_cannot_launch_replicas_skips_saying_why(tmp_path):
+    from conformance import distributed
+    from conformance.adapters._common import Skip
+
+    out = distributed._launch("torch", python=str(tmp_path / "no-python"))
+    assert set(out) == {c["id"] for c in C.distributed_cases()}
+    case = C.distributed_cases()[0]
+    distributed._CACHE["nowhere"] = out
+    try:
+        with pytest.raises(Skip, match="cannot launch the torch replicas: FileNotFoundError"):
+            distributed.observed("nowhere", case["params"], "mpx")
+    finally:
+        del distributed._CACHE["nowhere"]
 
 
 def test_reports_are_written(data):

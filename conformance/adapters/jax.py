@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import jax
@@ -338,3 +339,72 @@ def run_portability(p: dict, mode: str) -> dict:
     scaler = _mpx_jax().LossScale.from_state_dict(p["state_dict"])
     _, scales, _ = _train_flags(mode, scaler, p["flags"])
     return {"scales": scales}
+
+
+def run_distributed(p: dict, mode: str) -> dict:
+    """shard_map and jit sharding over 4 host devices, in a process of its own started once."""
+    from conformance import distributed
+
+    return distributed.observed("jax", p, mode)
+
+
+_ACCUMULATION_STEPS: dict[tuple, Any] = {}
+
+
+def _accumulation_step(mode: str, cfg: mpx.ScalerConfig, k: int, lr: float) -> tuple[Any, Any]:
+    """(init, jitted micro-batch step ``(params, state, c) -> (params, state, scale used, scale after)``),
+    compiled once per mode, config and k."""
+    key = (mode, json.dumps(cfg.to_dict(), sort_keys=True), k, lr)
+    if key in _ACCUMULATION_STEPS:
+        return _ACCUMULATION_STEPS[key]
+    if mode == "native":
+        from conformance.distributed.jax import jmp_adjust, jmp_init
+
+        tx = optax.MultiSteps(optax.sgd(lr), k)
+
+        def init(params):
+            return tx.init(params), jmp_init(cfg)
+
+        def step(params, state, c):
+            inner, ls = state
+            scale = ls["scale"]
+            grads = jax.grad(lambda w: jnp.sum(w * c) * scale)(params) / scale
+            ok = jnp.all(jnp.isfinite(grads))
+            updates, new_inner = tx.update(grads, inner, params)  # the dropped micro-batch never reaches it
+            new_params = jnp.where(ok, optax.apply_updates(params, updates), params)
+            new_inner = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new_inner, inner)
+            ls = jmp_adjust(cfg, ls, ok)
+            return new_params, (new_inner, ls), scale, ls["scale"]
+    else:
+        mj = _mpx_jax()
+        tx = mj.with_loss_scaling(optax.sgd(lr), cfg, accumulate=k)
+        init = tx.init
+
+        def step(params, state, c):
+            ls = mj.get_loss_scale(state)
+            grads = jax.grad(lambda w: ls.scale(jnp.sum(w * c)))(params)
+            updates, state = tx.update(grads, state, params)
+            return optax.apply_updates(params, updates), state, ls.loss_scale, mj.get_loss_scale(state).loss_scale
+
+    _ACCUMULATION_STEPS[key] = (init, jax.jit(step))
+    return _ACCUMULATION_STEPS[key]
+
+
+def run_accumulation(p: dict, mode: str) -> dict:
+    """Natively ``optax.MultiSteps`` around a jmp-style per-micro-batch loss scale (a non-finite micro-batch
+    is dropped, the scale adjusted after every micro-batch); under mpx ``with_loss_scaling(tx, accumulate=k)``."""
+    cfg, k = mpx.ScalerConfig.from_dict(p["config"]), p["steps"]
+    init, step = _accumulation_step(mode, cfg, k, p["lr"])
+    params = jnp.full(3, p["w0"], jnp.float32)
+    state = init(params)
+    applied, scales, micro = [], [], []
+    start = np.asarray(params)
+    for j, finite in enumerate(p["flags"]):
+        c = jnp.float32((j % 4 + 1) * flag_gradient(finite))
+        params, state, used, after = step(params, state, c)
+        micro.append(float(used))
+        if (j + 1) % k == 0:
+            applied.append(not np.array_equal(np.asarray(params), start))
+            scales.append(float(after))
+            start = np.asarray(params)
+    return {"applied": applied, "scales": scales, "micro_scales": micro, "param": float(params[0])}

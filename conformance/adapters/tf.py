@@ -399,3 +399,30 @@ def run_portability(p: dict, mode: str) -> dict:
     opt.load_state_dict(p["state_dict"])
     scales, _ = _train_flags(opt, p["flags"])
     return {"scales": scales}
+
+
+def run_distributed(p: dict, mode: str) -> dict:
+    """MirroredStrategy on 2 logical CPUs, in a process of its own started once (conformance.distributed)."""
+    from conformance import distributed
+
+    return distributed.observed("tf", p, mode)
+
+
+def run_accumulation(p: dict, mode: str) -> dict:
+    """The inner optimizer's ``gradient_accumulation_steps=k`` under the loss-scale optimizer, one
+    ``apply`` per micro-batch (what ``model.fit`` does)."""
+    cfg, k = mpx.ScalerConfig.from_dict(p["config"]), p["steps"]
+    opt = _optimizer(mode, cfg, keras.optimizers.SGD(p["lr"], gradient_accumulation_steps=k))
+    var = keras.Variable(np.full(3, p["w0"], np.float32))
+    applied, scales, micro = [], [], []
+    start = var.numpy().copy()
+    for j, finite in enumerate(p["flags"]):
+        scale = _current_scale(opt)
+        micro.append(scale)
+        grad = tf.fill((3,), tf.constant(scale * (j % 4 + 1) * flag_gradient(finite), tf.float32))
+        opt.apply([grad], [var])
+        if (j + 1) % k == 0:
+            applied.append(not np.array_equal(var.numpy(), start))
+            scales.append(_current_scale(opt))
+            start = var.numpy().copy()
+    return {"applied": applied, "scales": scales, "micro_scales": micro, "param": float(var.numpy()[0])}

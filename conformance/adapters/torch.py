@@ -292,3 +292,32 @@ def run_portability(p: dict, mode: str) -> dict:
     scaler.load_state_dict(p["state_dict"])
     scales, _ = _train_flags(scaler, p["flags"])
     return {"scales": scales}
+
+
+def run_distributed(p: dict, mode: str) -> dict:
+    """DDP / FSDP2 on 2 gloo processes, spawned once for every case and mode (conformance.distributed)."""
+    from conformance import distributed
+
+    return distributed.observed("torch", p, mode)
+
+
+def run_accumulation(p: dict, mode: str) -> dict:
+    """torch's accumulation pattern: ``scale(loss / k).backward()`` k times, then one step/update/zero_grad."""
+    cfg, k = mpx.ScalerConfig.from_dict(p["config"]), p["steps"]
+    scaler = _scaler(mode, cfg)
+    w = nn.Parameter(torch.full((3,), float(p["w0"])))
+    opt = torch.optim.SGD([w], lr=p["lr"])
+    applied, scales, micro = [], [], []
+    start = w.detach().clone()
+    for j, finite in enumerate(p["flags"]):
+        micro.append(float(scaler.get_scale()))
+        loss = (w * ((j % 4 + 1) * flag_gradient(finite))).sum() / k
+        scaler.scale(loss).backward()
+        if (j + 1) % k == 0:
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            applied.append(not torch.equal(w.detach(), start))
+            scales.append(float(scaler.get_scale()))
+            start = w.detach().clone()
+    return {"applied": applied, "scales": scales, "micro_scales": micro, "param": float(w.detach()[0])}
