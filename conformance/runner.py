@@ -12,7 +12,6 @@ report in ``--out``; a run whose worker crashed writes to ``OUT.failed`` instead
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import shutil
 import subprocess
@@ -24,7 +23,7 @@ from pathlib import Path
 from conformance import cases as C
 from conformance import report
 from conformance.worker import MODES
-from mpx._workers import BACKENDS, ROOT, Progress, backend_names, is_installed, worker_env
+from mpx._workers import BACKENDS, ROOT, Progress, backend_names, is_installed, run_worker, worker_env
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -119,22 +118,14 @@ def _run(backends: list[str], only: str | None, quiet: bool) -> dict:
                     "device": None,
                     "skipped": f"{BACKENDS[backend]} is not installed",
                 }
-                results += _skip_rows(backend, f"{BACKENDS[backend]} is not installed", only)
+                results.extend(_skip_rows(backend, f"{BACKENDS[backend]} is not installed", only))
                 continue
             t0 = time.monotonic()
-            cmd = [sys.executable, "-m", "conformance.worker", backend, "--states", states]
-            if only:
-                cmd += ["--only", only]
-            proc = subprocess.Popen(
-                cmd, env=worker_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-            )
-            assert proc.stdout is not None
+            args = [backend, "--states", states] + (["--only", only] if only else [])
             seen = 0
-            for line in proc.stdout:
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
+
+            def collect(row: dict, backend: str = backend) -> None:
+                nonlocal seen, done
                 if row.pop("type", None) == "info":
                     row.pop("backend", None)
                     meta[backend] = row
@@ -143,8 +134,8 @@ def _run(backends: list[str], only: str | None, quiet: bool) -> dict:
                     seen += 1
                     done += 1
                     progress.show(f"[{done:4d}/{total}] {backend:<5} {row['case']}", force=done == total)
-            stderr = proc.stderr.read() if proc.stderr else ""
-            code = proc.wait()
+
+            _, code, stderr = run_worker("conformance.worker", args, collect)
             meta.setdefault(backend, {"version": None, "device": None})
             meta[backend]["seconds"] = round(time.monotonic() - t0, 1)
             if code != 0 or seen < per_backend:

@@ -1,19 +1,23 @@
 """What the commands that run one worker process per framework share (stdlib only).
 
-``mpx conformance`` and ``mpx bench``/``mpx doctor`` each start one Python
-process per backend, so that no process imports two frameworks.  This module
-holds the backend names, the worker environment and the progress line they
-have in common; it imports no framework.
+``mpx conformance``, ``mpx bench``/``mpx doctor`` and ``mpx compare`` each start
+one Python process per backend, so that no process imports two frameworks.  This
+module holds the backend names, the worker environment, the worker runner and the
+progress line they have in common; it imports no framework.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 #: backend name -> the module it needs (what ``is_installed`` looks for).
 BACKENDS: dict[str, str] = {"torch": "torch", "tf": "tensorflow", "jax": "jax"}
@@ -69,6 +73,59 @@ def worker_env() -> dict[str, str]:
     env.setdefault("KERAS_BACKEND", "tensorflow")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     return env
+
+
+def run_worker(
+    module: str,
+    args: Sequence[str],
+    on_row: Callable[[dict[str, Any]], None] | None = None,
+    timeout_s: float | None = None,
+) -> tuple[list[dict[str, Any]], int, str]:
+    """Run ``python -m MODULE ARGS`` in :data:`ROOT` with :func:`worker_env`, reading its JSON lines.
+
+    Each stdout line that parses as JSON is kept (others are ignored) and handed to
+    ``on_row`` as it arrives.  stderr is read on a thread of its own, so a worker that
+    writes much of it never blocks.  A worker still running after ``timeout_s`` seconds
+    (None: no limit) is killed.
+
+    Returns:
+        The rows, the exit status, and the last 20 lines of stderr (after a line saying
+        so when the worker was killed for the timeout).
+    """
+    proc = subprocess.Popen(
+        [sys.executable, "-m", module, *args], cwd=ROOT, env=worker_env(),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    err: list[str] = []
+    reader = threading.Thread(target=lambda: err.extend(proc.stderr or []), daemon=True)
+    reader.start()
+    killed = threading.Event()
+
+    def kill() -> None:
+        killed.set()
+        proc.kill()
+
+    timer = threading.Timer(timeout_s, kill) if timeout_s else None
+    if timer is not None:
+        timer.start()
+    rows: list[dict[str, Any]] = []
+    assert proc.stdout is not None
+    for raw in proc.stdout:
+        try:
+            row = json.loads(raw)
+        except json.JSONDecodeError:
+            continue
+        rows.append(row)
+        if on_row is not None:
+            on_row(row)
+    code = proc.wait()
+    if timer is not None:
+        timer.cancel()
+    reader.join(timeout=5)
+    tail = "".join(err[-20:]).strip()
+    if killed.is_set():
+        tail = f"killed after the {timeout_s:g} s per-backend timeout (--timeout)\n" + tail
+    return rows, code, tail
 
 
 class Progress:

@@ -34,14 +34,12 @@ The documented output is ``DIR/bench.json`` (format ``"mpx.bench/1"``):
 from __future__ import annotations
 
 import datetime
-import json
-import subprocess
-import sys
 import time
 from typing import Any
 
 import mpx
-from mpx._workers import BACKENDS, ROOT, Progress, is_installed, worker_env
+from mpx import _workers
+from mpx._workers import BACKENDS, Progress, is_installed
 from mpx_bench import stats
 from mpx_bench.machine import busy_warning, load_average, machine_info
 
@@ -59,49 +57,18 @@ UNITS = {
 def run_worker(backend: str, argv: list[str], progress: Progress | None = None, timeout_s: float | None = None
                ) -> tuple[list[dict[str, Any]], int, str]:  # fmt: skip
     """Run ``python -m mpx_bench.worker BACKEND ARGV``; returns its JSON lines, exit status and stderr tail."""
-    cmd = [sys.executable, "-m", "mpx_bench.worker", backend, *argv]
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    lines: list[dict[str, Any]] = []
     start = time.monotonic()
-    killed = False
-    import threading
 
-    err_lines: list[str] = []
-    reader = threading.Thread(target=lambda: err_lines.extend(proc.stderr or []), daemon=True)
-    reader.start()
-    timer = None
-    if timeout_s:
+    def show(row: dict[str, Any]) -> None:
+        if progress is None or row.get("type") != "progress":
+            return
+        phase = row.get("phase")
+        what = f"round {row['round']}/{row['rounds']}" if phase == "timed" else row.get("config", "")
+        progress.show(f"[{backend} {time.monotonic() - start:5.0f}s] {phase} {what}")
+        if phase == "skip":
+            progress.note(f"{backend}: {row.get('config')}: {row.get('note')}")
 
-        def kill() -> None:
-            nonlocal killed
-            killed = True
-            proc.kill()
-
-        timer = threading.Timer(timeout_s, kill)
-        timer.start()
-    assert proc.stdout is not None
-    for raw in proc.stdout:
-        try:
-            row = json.loads(raw)
-        except json.JSONDecodeError:
-            continue
-        lines.append(row)
-        if progress is not None and row.get("type") == "progress":
-            phase = row.get("phase")
-            what = f"round {row['round']}/{row['rounds']}" if phase == "timed" else row.get("config", "")
-            progress.show(f"[{backend} {time.monotonic() - start:5.0f}s] {phase} {what}")
-            if phase == "skip":
-                progress.note(f"{backend}: {row.get('config')}: {row.get('note')}")
-    code = proc.wait()
-    if timer is not None:
-        timer.cancel()
-    reader.join(timeout=5)
-    tail = "".join(err_lines[-20:]).strip()
-    if killed:
-        tail = f"killed after the {timeout_s:g} s per-backend timeout (--timeout)\n" + tail
-    return lines, code, tail
+    return _workers.run_worker("mpx_bench.worker", [backend, *argv], show, timeout_s)
 
 
 def _config_row(backend: str, rec: dict[str, Any]) -> dict[str, Any]:

@@ -19,17 +19,13 @@
 from __future__ import annotations
 
 import datetime
-import json
 import statistics
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import mpx
-from mpx._workers import BACKENDS, ROOT, Progress, is_installed, worker_env
+from mpx._workers import BACKENDS, Progress, is_installed, run_worker
 from mpx_bench.machine import machine_info
 
 __all__ = ["FORMAT", "compare", "run", "summarize"]
@@ -39,29 +35,13 @@ FORMAT = "mpx.compare/1"
 
 def _worker(backend: str, argv: list[str], progress: Progress, timeout_s: float | None
             ) -> tuple[list[dict[str, Any]], int, str]:  # fmt: skip
-    proc = subprocess.Popen([sys.executable, "-m", "mpx_compare.worker", backend, *argv], cwd=ROOT,
-                            env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
-    err: list[str] = []
-    reader = threading.Thread(target=lambda: err.extend(proc.stderr or []), daemon=True)
-    reader.start()
-    timer = threading.Timer(timeout_s, proc.kill) if timeout_s else None
-    if timer is not None:
-        timer.start()
-    lines, start = [], time.monotonic()
-    assert proc.stdout is not None
-    for raw in proc.stdout:
-        try:
-            row = json.loads(raw)
-        except json.JSONDecodeError:
-            continue
-        lines.append(row)
+    start = time.monotonic()
+
+    def show(row: dict[str, Any]) -> None:
         if row.get("type") == "progress":
             progress.show(f"[{backend} {time.monotonic() - start:5.0f}s] {row.get('text', '')}", force=True)
-    code = proc.wait()
-    if timer is not None:
-        timer.cancel()
-    reader.join(timeout=5)
-    return lines, code, "".join(err[-20:]).strip()
+
+    return run_worker("mpx_compare.worker", [backend, *argv], show, timeout_s)
 
 
 def summarize(runs: Sequence[dict[str, Any]], criterion_points: float = 0.5) -> list[dict[str, Any]]:
