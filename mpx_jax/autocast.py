@@ -99,6 +99,7 @@ except ImportError:  # pragma: no cover - older jax
 import mpx
 from mpx.ops import OpClass, OpTable
 from mpx.policy import PolicySpec
+from mpx_jax._jaxpr import bind, eqn_context
 
 __all__ = ["PRIMITIVE_OPS", "autocast"]
 
@@ -193,16 +194,6 @@ def _cast(x: Any, dtype: Any) -> Any:
     if not _is_float(dt) or not _is_float(dtype) or np.dtype(dt) == np.dtype(dtype):
         return x
     return lax.convert_element_type(x, dtype)
-
-
-def _bind(eqn: Any, invals: Sequence[Any], params: dict[str, Any] | None = None) -> list[Any]:
-    bp = eqn.primitive.get_bind_params(eqn.params if params is None else params)
-    if isinstance(bp, tuple):  # jax < 0.7: (subfuns, params)
-        subfuns, bp = bp
-        out = eqn.primitive.bind(*subfuns, *invals, **bp)
-    else:
-        out = eqn.primitive.bind(*invals, **bp)
-    return list(out) if eqn.primitive.multiple_results else [out]
 
 
 def _has_subjaxpr(params: dict[str, Any]) -> bool:
@@ -310,8 +301,7 @@ class _Interpreter:
             else:
                 if name in _ELEMENTWISE and eqn.outvars and all(v in fed for v in eqn.outvars):
                     invals = [_cast(x, _F32) if _dtype(x) in _HALF else x for x in invals]
-                ctx = getattr(getattr(eqn, "ctx", None), "manager", None) or contextlib.nullcontext()
-                with ctx:
+                with eqn_context(eqn):
                     outs = self.eqn(eqn, invals, rules, flags)
             env.update(zip(eqn.outvars, outs, strict=False))
             if name in _WEAK_KEEPING and flags and all(flags):
@@ -418,7 +408,7 @@ class _Interpreter:
 
     def exact(self, eqn: Any, invals: Sequence[Any]) -> list[Any]:
         """Run the equation at the dtypes it was traced at."""
-        return _bind(eqn, [_cast(x, v.aval.dtype) for x, v in zip(invals, eqn.invars, strict=False)])
+        return bind(eqn, [_cast(x, v.aval.dtype) for x, v in zip(invals, eqn.invars, strict=False)])
 
     def generic(self, eqn: Any, invals: list[Any], weak: Sequence[bool] | None = None) -> list[Any]:
         """Promote inputs that shared a dtype when traced to their widest current dtype, then bind."""
@@ -433,7 +423,7 @@ class _Interpreter:
             for i in idx:
                 args[i] = _cast(args[i], target)
         try:
-            return _bind(eqn, args)
+            return bind(eqn, args)
         except (TypeError, ValueError):
             return self.exact(eqn, invals)
 
@@ -450,7 +440,7 @@ class _Interpreter:
             # float16) has no CPU lowering; preferred_element_type already asks for
             # float32 accumulation, which every backend supports.
             params["precision"] = None
-        out = _bind(eqn, args, params)
+        out = bind(eqn, args, params)
         return [_cast(o, self.compute) for o in out]
 
     # -- higher-order primitives ------------------------------------------------------
@@ -490,7 +480,7 @@ class _Interpreter:
             return self.run_retyped(closed, xs, inner_rules)
 
         def original(*xs: Any) -> list[Any]:
-            return _bind(eqn, xs)
+            return bind(eqn, xs)
 
         fun = jax.custom_jvp(primal)
 
@@ -519,7 +509,7 @@ class _Interpreter:
         out_dtypes = [s.dtype for s in jax.eval_shape(primal, *args)]
 
         def original(*xs: Any) -> list[Any]:
-            return _bind(eqn, xs)
+            return bind(eqn, xs)
 
         fun = jax.custom_vjp(primal)
 

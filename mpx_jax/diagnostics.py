@@ -18,7 +18,6 @@ when unused and returns the report only: ``fn``'s own result is untouched.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -36,6 +35,7 @@ from mpx.diagnostics import (
     nonfinite_report,
 )
 from mpx.dtypes import canonical_dtype, dtype_info
+from mpx_jax._jaxpr import bind, eqn_context
 
 __all__ = ["find_nonfinite", "underflow_stats"]
 
@@ -121,13 +121,8 @@ class _Interpreter:
                 path, _, _, _ = _where(eqn)
                 outs = self.run(sub[0], sub[1], invals, "/".join(p for p in (prefix, path) if p))
             else:
-                bound = eqn.primitive.get_bind_params(eqn.params)
-                subfuns, params = bound if isinstance(bound, tuple) else ([], bound)  # jax < 0.7: (subfuns, params)
-                ctx = getattr(getattr(eqn, "ctx", None), "manager", None) or contextlib.nullcontext()
-                with ctx:
-                    outs = eqn.primitive.bind(*subfuns, *invals, **params)
-                if not eqn.primitive.multiple_results:
-                    outs = [outs]
+                with eqn_context(eqn):
+                    outs = bind(eqn, invals)
                 self._check(eqn, invals, outs, prefix)
             for v, o in zip(eqn.outvars, outs, strict=True):
                 env[v] = o

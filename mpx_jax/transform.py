@@ -73,7 +73,6 @@ Rules for composing it:
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -85,6 +84,7 @@ import optax
 from mpx.accumulation import check_accumulation_steps
 from mpx.errors import MPXError
 from mpx.scaling import ScalerConfig
+from mpx_jax._jaxpr import bind, eqn_context
 from mpx_jax.casting import is_floating_array
 from mpx_jax.distributed import combine_finite
 from mpx_jax.loss_scale import LossScale, all_finite, select_tree
@@ -128,16 +128,6 @@ def _keep(finite: jax.Array, new: Any, old: Any) -> Any:
 _INLINE_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call"})
 
 
-def _bind(eqn: Any, invals: Sequence[Any]) -> list[Any]:
-    bp = eqn.primitive.get_bind_params(eqn.params)
-    if isinstance(bp, tuple):  # jax < 0.7: (subfuns, params)
-        subfuns, bp = bp
-        out = eqn.primitive.bind(*subfuns, *invals, **bp)
-    else:
-        out = eqn.primitive.bind(*invals, **bp)
-    return list(out) if eqn.primitive.multiple_results else [out]
-
-
 def _run_keeping(
     jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], keep: dict[Any, Any], finite: jax.Array
 ) -> list[Any]:
@@ -152,8 +142,7 @@ def _run_keeping(
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
         body = eqn.params.get("jaxpr") if eqn.primitive.name in _INLINE_CALLS else None
-        ctx = getattr(getattr(eqn, "ctx", None), "manager", None) or contextlib.nullcontext()
-        with ctx:
+        with eqn_context(eqn):
             # inlined only where it computes kept state (run as one call elsewhere, as the inner update
             # would run it: an eager jit call compiles its body as a whole)
             if (
@@ -165,7 +154,7 @@ def _run_keeping(
                          if ov in keep and not isinstance(iv, jcore.Literal)}  # fmt: skip
                 outs = _run_keeping(body.jaxpr, body.consts, invals, inner, finite)
             else:
-                outs = _bind(eqn, invals)
+                outs = bind(eqn, invals)
         for v, x in zip(eqn.outvars, outs, strict=True):
             env[v] = _keep(finite, x, keep[v]) if v in keep else x
     return [read(v) for v in jaxpr.outvars]
