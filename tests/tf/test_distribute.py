@@ -10,8 +10,10 @@ from pathlib import Path
 
 import mpx
 
-SCRIPT = r"""
-import json, math, os, sys
+#: What every script below starts with: Keras on TF with 2 logical CPUs (set before TF starts), a
+#: MirroredStrategy over them, and every replica's copy of every variable as bytes.
+MIRRORED_PRELUDE = r"""
+import hashlib, json, math, os, sys
 os.environ["KERAS_BACKEND"] = "tensorflow"
 import numpy as np
 import tensorflow as tf
@@ -23,13 +25,15 @@ import keras
 import mpx, mpx_tf
 
 strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-config = mpx.ScalerConfig(growth_interval=2, init_scale=2.0**10)
-out = {"replicas": strategy.num_replicas_in_sync}
 
 
 def replica_bytes(variables):
-    # every replica's copy of every variable
     return [[np.asarray(c.numpy()).tobytes() for c in v.value.values] for v in variables]
+"""
+
+SCRIPT = MIRRORED_PRELUDE + r"""
+config = mpx.ScalerConfig(growth_interval=2, init_scale=2.0**10)
+out = {"replicas": strategy.num_replicas_in_sync}
 
 
 def custom_loop(make_optimizer, events):
@@ -95,14 +99,7 @@ json.dump(out, open(sys.argv[1], "w"))
 
 
 def test_mirrored_strategy_replicas_skip_together(tmp_path):
-    result = tmp_path / "result.json"
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(result)], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    out = json.loads(result.read_text())
+    out = _run_script(SCRIPT, tmp_path)
     assert out["replicas"] == 2
 
     config = mpx.ScalerConfig(growth_interval=2, init_scale=2.0**10)
@@ -120,24 +117,8 @@ def test_mirrored_strategy_replicas_skip_together(tmp_path):
     assert out["fit_state"]["steps"] == 4 and out["fit_iterations"] == 4
 
 
-SCRIPT_ACCUMULATION_AND_REDUCE = r"""
-import hashlib, json, math, os, sys
-os.environ["KERAS_BACKEND"] = "tensorflow"
-import numpy as np
-import tensorflow as tf
-
-tf.get_logger().setLevel("ERROR")
-cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-import keras
-import mpx, mpx_tf
-
-strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+SCRIPT_ACCUMULATION_AND_REDUCE = MIRRORED_PRELUDE + r"""
 out = {}
-
-
-def replica_bytes(variables):
-    return [[np.asarray(c.numpy()).tobytes() for c in v.value.values] for v in variables]
 
 
 def loop(make_optimizer, events, where):
