@@ -7,6 +7,7 @@ The core imports numpy and ml_dtypes only; the backends live in ``mpx_torch``,
 from mpx._version import __version__
 from mpx.accumulation import accumulation_trace, check_accumulation_steps, window_flags
 from mpx.advice import SlowPolicyWarning, warn_if_slow
+from mpx.categories import CATEGORY_CLASSES, category_of, resolve_categories
 from mpx.dtypes import (
     CANONICAL_DTYPES,
     FLOATING_DTYPES,
@@ -25,6 +26,7 @@ from mpx.errors import (
     ScalerStuckError,
     ScalerStuckWarning,
     StateDictError,
+    UnsupportedTypeError,
 )
 from mpx.history import HISTORY_FORMAT, HistoryError, ScalerHistory
 from mpx.ops import OP_CATEGORIES, OP_TABLE, OpClass, OpTable, classify, result_dtype
@@ -36,16 +38,18 @@ from mpx.scaling import (
     LossScaler,
     ScalerConfig,
     ScalerState,
+    as_scaler_config,
     load_state_dict,
     scaler_init,
     scaler_update,
     state_dict,
 )
-from mpx.stuck import stuck_message
+from mpx.stuck import check_stuck, stuck_message
 
 __all__ = [
     "CANONICAL_DTYPES",
     "CATEGORIES",
+    "CATEGORY_CLASSES",
     "COUNTER_MAX",
     "FLOATING_DTYPES",
     "HISTORY_FORMAT",
@@ -75,8 +79,12 @@ __all__ = [
     "ScalerStuckWarning",
     "SlowPolicyWarning",
     "StateDictError",
+    "UnsupportedTypeError",
     "__version__",
     "accumulation_trace",
+    "as_scaler_config",
+    "category_of",
+    "check_stuck",
     "check_accumulation_steps",
     "canonical_dtype",
     "classify",
@@ -84,6 +92,7 @@ __all__ = [
     "get_policy",
     "load_state_dict",
     "numpy_dtype",
+    "resolve_categories",
     "result_dtype",
     "scaler_init",
     "scaler_update",

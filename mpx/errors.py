@@ -15,6 +15,7 @@ __all__ = [
     "ScalerStuckError",
     "ScalerStuckWarning",
     "StateDictError",
+    "UnsupportedTypeError",
 ]
 
 
@@ -44,3 +45,9 @@ class ScalerStuckError(MPXError):
 
 class ScalerStuckWarning(UserWarning):
     """What a stuck loss scaler warns with when ``ScalerConfig.on_stuck`` is ``"warn"``."""
+
+
+class UnsupportedTypeError(MPXError, TypeError):
+    """An argument is of a type the function does not take: a model, layer, optimizer or tensor of
+    another kind or framework (every backend raises this one for the same misuse; it is also a
+    :class:`TypeError`)."""

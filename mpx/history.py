@@ -108,6 +108,36 @@ class ScalerHistory:
         )
 
     @classmethod
+    def from_rows(cls, config: ScalerConfig, rows: Any, recorded: int) -> ScalerHistory:
+        """A history from a backend's ring buffer of recorded rows (the one row layout every backend uses).
+
+        ``rows``: an integer array of shape ``(capacity, 4)``, one row per step:
+        ``[float32 bits of the scale, growth_tracker, consecutive_nonfinite, steps]``
+        (the scale's bits in the low 32 bits, read as a signed or unsigned int).
+        ``recorded``: how many rows were ever written; row ``i`` went to slot
+        ``i % capacity``, so when ``recorded > capacity`` the oldest rows were
+        overwritten and the history holds the last ``capacity`` steps.
+
+        >>> import numpy as np
+        >>> bits = int(np.float32(65536.0).view(np.int32))
+        >>> ScalerHistory.from_rows(ScalerConfig(), np.array([[bits, 1, 0, 1], [0, 0, 0, 0]]), 1).scale
+        [65536.0]
+        """
+        import numpy as np
+
+        table = np.asarray(rows, dtype=np.int64)
+        if table.ndim != 2 or table.shape[1] != 4:
+            raise HistoryError(f"history: rows must have shape (capacity, 4), got {table.shape}")
+        capacity, recorded = table.shape[0], int(recorded)
+        n = min(recorded, capacity)
+        if recorded > capacity:
+            start = recorded % capacity
+            table = np.concatenate([table[start:], table[:start]])
+        table = table[:n]
+        scales = (table[:, 0] & 0xFFFFFFFF).astype(np.uint32).view(np.float32).tolist()
+        return cls.from_states(config, table[:, 3].tolist(), scales, table[:, 1].tolist(), table[:, 2].tolist())
+
+    @classmethod
     def reference(
         cls, config: ScalerConfig, flags: Iterable[bool], state: ScalerState | None = None
     ) -> ScalerHistory:

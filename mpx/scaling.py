@@ -39,6 +39,7 @@ __all__ = [
     "LossScaler",
     "ScalerConfig",
     "ScalerState",
+    "as_scaler_config",
     "load_state_dict",
     "product_bits",
     "scale_product",
@@ -341,6 +342,42 @@ class ScalerConfig:
         return cls(**data)
 
 
+
+def as_scaler_config(config: Any = None, *, field: str = "config") -> ScalerConfig:
+    """Read what every backend's scaler accepts as its config, the same way everywhere.
+
+    Accepted:
+
+    * ``None``: ``ScalerConfig()`` (dynamic, torch's defaults);
+    * an :class:`ScalerConfig`, returned as it is;
+    * a dict with a ``"kind"`` key: :meth:`ScalerConfig.from_dict` (``to_dict()``'s form);
+    * a policy (:class:`mpx.Policy`, a spec string such as ``"mixed_float16"``, or a
+      policy dict): :meth:`ScalerConfig.for_policy`, dynamic for float16 compute, none otherwise.
+
+    Raises:
+        ScalerConfigError: for any other type, or a bad config dict, naming ``field``.
+        PolicyError: for a string or dict that is not a policy spec.
+
+    >>> as_scaler_config("mixed_float16").kind, as_scaler_config("mixed_bfloat16").kind
+    ('dynamic', 'none')
+    >>> as_scaler_config({"kind": "static", "init_scale": 128.0}).init_scale
+    128.0
+    """
+    from mpx.policy import Policy, get_policy
+
+    if config is None:
+        return ScalerConfig()
+    if isinstance(config, ScalerConfig):
+        return config
+    if isinstance(config, Mapping) and "kind" in config:
+        return ScalerConfig.from_dict(config)  # its errors name the bad key
+    if isinstance(config, (Policy, str, Mapping)):
+        return ScalerConfig.for_policy(get_policy(config))
+    raise ScalerConfigError(
+        f"{field}: expected an mpx.ScalerConfig, its to_dict() dict, a policy (mpx.Policy, spec string "
+        f"or policy dict) or None, got {type(config).__name__}"
+    )
+
 @dataclass(frozen=True)
 class ScalerState:
     """The state of one scaler: ``scale`` (a float32 value) and four counters."""
@@ -500,13 +537,8 @@ class LossScaler:
     True
     """
 
-    def __init__(self, config: ScalerConfig | None = None) -> None:
-        if config is None:
-            config = ScalerConfig()
-        if not isinstance(config, ScalerConfig):
-            raise ScalerConfigError(
-                f"config: expected an mpx.ScalerConfig or None, got {type(config).__name__}"
-            )
+    def __init__(self, config: ScalerConfig | Mapping[str, Any] | str | None = None) -> None:
+        config = as_scaler_config(config)
         self._config = config
         self._state = scaler_init(config)
 
@@ -523,6 +555,10 @@ class LossScaler:
     @property
     def scale(self) -> float:
         """The current loss scale, a float32 value."""
+        return self._state.scale
+
+    def get_scale(self) -> float:
+        """The current loss scale as a Python float (every backend's scaler has this method)."""
         return self._state.scale
 
     def update(self, finite: bool) -> bool:

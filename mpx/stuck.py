@@ -28,11 +28,14 @@ loss scaler stuck: 3 steps in a row skipped (max_consecutive_skips=3), scale 1: 
 from __future__ import annotations
 
 import warnings
+from typing import Any
+
+import numpy as np
 
 from mpx.errors import ScalerStuckError, ScalerStuckWarning
 from mpx.scaling import ScalerConfig, ScalerState
 
-__all__ = ["is_stuck", "signal_stuck", "stuck_message"]
+__all__ = ["check_stuck", "is_stuck", "signal_stuck", "stuck_message"]
 
 
 def is_stuck(config: ScalerConfig, consecutive_skips: int) -> bool:
@@ -88,3 +91,29 @@ def signal_stuck(config: ScalerConfig, message: str | None, *, stacklevel: int =
         warnings.warn(message, ScalerStuckWarning, stacklevel=stacklevel)
         return
     raise ScalerStuckError(message)
+
+
+def check_stuck(config: ScalerConfig, scale: Any, consecutive: Any, loss_finite: Any = None, *,
+                stacklevel: int = 3) -> None:  # fmt: skip
+    """The host-side stuck check every backend runs after a step (eagerly or from a host callback).
+
+    ``scale``: the scale after the step (any float-like: a Python float, a numpy or
+    framework scalar); ``consecutive``: ``consecutive_nonfinite`` after the step;
+    ``loss_finite``: whether that step's loss was finite, as a bool, or an int flag
+    (1 finite, 0 non-finite, -1 unknown), or None (unknown).  Raises or warns
+    (:func:`signal_stuck`) when :func:`is_stuck`; does nothing otherwise.
+
+    >>> cfg = ScalerConfig(max_consecutive_skips=2, on_stuck="warn")
+    >>> check_stuck(cfg, 1.0, 1, -1) is None
+    True
+    """
+    count = int(consecutive)
+    if not is_stuck(config, count):
+        return
+    if loss_finite is None:
+        flag = None
+    else:
+        value = int(loss_finite)
+        flag = None if value < 0 else bool(value)
+    state = ScalerState(float(np.float32(scale)), consecutive_nonfinite=count, steps=count, skipped_steps=count)
+    signal_stuck(config, stuck_message(config, state, flag), stacklevel=stacklevel + 1)

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 import mpx
 from mpx.cli import main
-from mpx.scaling import COUNTER_MAX
+from mpx.history import ScalerHistory
+from mpx.scaling import COUNTER_MAX, ScalerConfig
 from mpx.stuck import is_stuck, signal_stuck, stuck_message
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -158,3 +159,31 @@ def test_plot_bad_file_exits_2_without_traceback(tmp_path, content) -> None:
     assert proc.stderr.startswith("mpx history: ") and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
     assert not path.with_suffix(".png").exists()
+
+
+@pytest.mark.parametrize("capacity", [3, 5, 8])
+def test_from_rows_reads_the_ring_buffer_in_step_order(capacity):
+    import numpy as np
+
+    config = ScalerConfig(growth_interval=2, init_scale=4.0)
+    flags = [True, True, False, True, True, True, False]
+    ref = ScalerHistory.reference(config, flags)
+    rows = np.zeros((capacity, 4), np.int64)
+    for i, (scale, step) in enumerate(zip(ref.scale, ref.steps, strict=True)):
+        state = mpx.scaler_init(config)
+        for f in flags[: i + 1]:
+            state = mpx.scaler_update(config, state, f)
+        bits = int(np.float32(scale).view(np.int32))
+        rows[i % capacity] = [bits, state.growth_tracker, state.consecutive_nonfinite, step]
+    got = ScalerHistory.from_rows(config, rows, len(flags))
+    keep = min(capacity, len(flags))
+    assert got.steps == ref.steps[-keep:]
+    assert got.scale == ref.scale[-keep:]
+    assert got.skipped == ref.skipped[-keep:] and got.growth == ref.growth[-keep:]
+
+
+def test_from_rows_refuses_another_layout():
+    import numpy as np
+
+    with pytest.raises(mpx.HistoryError, match=r"shape \(capacity, 4\)"):
+        ScalerHistory.from_rows(ScalerConfig(), np.zeros((4, 3), np.int64), 1)

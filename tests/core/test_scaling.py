@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mpx
-from mpx import LossScaler, ScalerConfig, ScalerConfigError, ScalerState, StateDictError
+from mpx import LossScaler, PolicyError, ScalerConfig, ScalerConfigError, ScalerState, StateDictError
 
 T, F = True, False
 
@@ -198,8 +198,11 @@ def test_loss_scaler():
     assert s.update(False) is True and s.scale == 4.0
     assert s.state == ScalerState(4.0, 0, 1, 3, 1)
     assert LossScaler().config == ScalerConfig()
+    assert LossScaler({"kind": "dynamic", "growth_interval": 7}).config == ScalerConfig(growth_interval=7)
+    assert LossScaler("mixed_bfloat16").config.kind == "none"
     with pytest.raises(ScalerConfigError, match="config: expected an mpx.ScalerConfig"):
-        LossScaler({"kind": "dynamic"})  # type: ignore[arg-type]
+        LossScaler(3.5)  # type: ignore[arg-type]
+    assert s.get_scale() == s.scale
 
 
 def test_state_dict_format_and_json_round_trip():
@@ -505,3 +508,54 @@ def test_configs_either_run_or_raise_scaler_config_error(kwargs):
         s = mpx.scaler_update(c, s, finite)
     assert c.bounds[0] <= s.scale <= c.bounds[1]
     assert mpx.load_state_dict(json.loads(json.dumps(mpx.state_dict(c, s)))) == (c, s)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (None, ScalerConfig()),
+        (ScalerConfig(growth_interval=3), ScalerConfig(growth_interval=3)),
+        ({"kind": "static", "init_scale": 8.0}, ScalerConfig(kind="static", init_scale=8.0)),
+        ("mixed_float16", ScalerConfig()),
+        ("16-mixed", ScalerConfig()),
+        ("mixed_bfloat16", ScalerConfig(kind="none")),
+        ({"param_dtype": "float32", "compute_dtype": "float16", "output_dtype": "float32"}, ScalerConfig()),
+    ],
+)
+def test_as_scaler_config_accepts_every_form(value, expected):
+    from mpx import as_scaler_config, get_policy
+
+    assert as_scaler_config(value) == expected
+    if isinstance(value, str):
+        assert as_scaler_config(get_policy(value)) == expected
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "match"),
+    [
+        (3.5, ScalerConfigError, "config: expected an mpx.ScalerConfig"),
+        ([1, 2], ScalerConfigError, "got list"),
+        ({"kind": "dynamic", "growth_intervall": 2}, ScalerConfigError, "unknown key 'growth_intervall'"),
+        ({"kind": "dynamic", "growth_interval": 0}, ScalerConfigError, "growth_interval"),
+        ("mixed_float17", PolicyError, "mixed_float17"),
+    ],
+)
+def test_as_scaler_config_refuses_with_the_field(value, error, match):
+    from mpx import as_scaler_config
+
+    with pytest.raises(error, match=match):
+        as_scaler_config(value)
+
+
+@pytest.mark.parametrize("flag", [None, -1, 0, 1, True, False])
+def test_check_stuck_is_the_one_host_check(flag):
+    from mpx.stuck import check_stuck
+
+    cfg = ScalerConfig(max_consecutive_skips=2, min_scale=1.0)
+    check_stuck(cfg, 1.0, 1, flag)  # below N: nothing
+    with pytest.raises(mpx.ScalerStuckError, match="2 steps in a row") as info:
+        check_stuck(cfg, np.float32(1.0), np.int32(2), flag)
+    if flag in (0, False):
+        assert "forward loss itself is non-finite" in str(info.value)
+    else:
+        assert "overflow at the minimum scale" in str(info.value)
