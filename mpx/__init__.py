@@ -20,6 +20,7 @@ from mpx.dtypes import (
 )
 from mpx.errors import (
     DTypeError,
+    FrameworkVersionError,
     MPXError,
     PolicyError,
     ScalerConfigError,
@@ -62,6 +63,7 @@ __all__ = [
     "SCALE_FLOOR",
     "STATE_DICT_FORMAT",
     "DTypeError",
+    "FrameworkVersionError",
     "DTypeInfo",
     "LossScaler",
     "MPXError",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 __all__ = [
     "DTypeError",
+    "FrameworkVersionError",
     "MPXError",
     "PolicyError",
     "ScalerConfigError",
@@ -51,3 +52,9 @@ class UnsupportedTypeError(MPXError, TypeError):
     """An argument is of a type the function does not take: a model, layer, optimizer or tensor of
     another kind or framework (every backend raises this one for the same misuse; it is also a
     :class:`TypeError`)."""
+
+
+class FrameworkVersionError(MPXError, ImportError):
+    """The installed framework is older than mpx supports, or a framework internal mpx relies on
+    (reached only through the backend's ``_compat`` module) is missing or changed.  The message
+    names the framework, its version, the internal and what mpx supports."""
