@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import mpx
+from mpx_jax._compat import manual_axes
 from mpx_jax.casting import is_floating_array
 
 __all__ = ["all_reduce_gradients", "combine_finite", "mapped_axes"]
@@ -42,11 +43,7 @@ def mapped_axes() -> tuple[Any, ...]:
     Empty outside them (eager code, plain ``jit`` with or without a mesh,
     ``vmap``).  Read from ``jax.sharding.get_abstract_mesh().manual_axes``.
     """
-    try:
-        mesh = jax.sharding.get_abstract_mesh()
-    except Exception:  # pragma: no cover - jax without abstract meshes
-        return ()
-    return tuple(getattr(mesh, "manual_axes", ()) or ())
+    return manual_axes()
 
 
 def _names(axis_name: Any) -> tuple[Any, ...]:

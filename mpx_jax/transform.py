@@ -84,15 +84,11 @@ import optax
 from mpx.accumulation import check_accumulation_steps
 from mpx.errors import MPXError
 from mpx.scaling import ScalerConfig
+from mpx_jax._compat import INLINE_CALL_PRIMITIVES, ClosedJaxpr, Literal, pcast_to_varying, varying_axes
 from mpx_jax._jaxpr import bind, eqn_context
 from mpx_jax.casting import is_floating_array
 from mpx_jax.distributed import combine_finite
 from mpx_jax.loss_scale import LossScale, all_finite, select_tree
-
-try:  # jax >= 0.4.30
-    from jax.extend import core as jcore
-except ImportError:  # pragma: no cover
-    from jax import core as jcore  # type: ignore[no-redef]
 
 __all__ = ["LossScalingState", "get_loss_scale", "with_loss_scaling"]
 
@@ -125,7 +121,7 @@ def _keep(finite: jax.Array, new: Any, old: Any) -> Any:
 
 
 #: Call primitives whose body is run inline, so state computed inside them is kept at its definition too.
-_INLINE_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call"})
+_INLINE_CALLS = INLINE_CALL_PRIMITIVES
 
 
 def _run_keeping(
@@ -137,7 +133,7 @@ def _run_keeping(
     env.update(zip(jaxpr.invars, args, strict=True))
 
     def read(v: Any) -> Any:
-        return v.val if isinstance(v, jcore.Literal) else env[v]
+        return v.val if isinstance(v, Literal) else env[v]
 
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
@@ -146,12 +142,12 @@ def _run_keeping(
             # inlined only where it computes kept state (run as one call elsewhere, as the inner update
             # would run it: an eager jit call compiles its body as a whole)
             if (
-                isinstance(body, jcore.ClosedJaxpr)
+                isinstance(body, ClosedJaxpr)
                 and not body.effects
                 and any(v in keep for v in eqn.outvars)
             ):
                 inner = {iv: keep[ov] for iv, ov in zip(body.jaxpr.outvars, eqn.outvars, strict=True)
-                         if ov in keep and not isinstance(iv, jcore.Literal)}  # fmt: skip
+                         if ov in keep and not isinstance(iv, Literal)}  # fmt: skip
                 outs = _run_keeping(body.jaxpr, body.consts, invals, inner, finite)
             else:
                 outs = bind(eqn, invals)
@@ -197,14 +193,14 @@ def _kept_update(
     defined = {v for eqn in closed.jaxpr.eqns for v in eqn.outvars}
     owners: dict[Any, list[int]] = {}
     for i, v in enumerate(state_vars):
-        if not isinstance(v, jcore.Literal) and v in defined:
+        if not isinstance(v, Literal) and v in defined:
             owners.setdefault(v, []).append(i)
     # a value returned as two state leaves has two old values: it is selected at the output only
     keep = {v: old[ix[0]] for v, ix in owners.items() if len(ix) == 1}
     outs = _run_keeping(closed.jaxpr, closed.consts, dynamic, keep, finite)
     updates = [_skip_where(finite, u) for u in outs[:n_updates]]
     new_state = [
-        x if (not isinstance(v, jcore.Literal) and v in keep) else _keep(finite, x, o)
+        x if (not isinstance(v, Literal) and v in keep) else _keep(finite, x, o)
         for v, x, o in zip(state_vars, outs[n_updates:], old, strict=True)
     ]
     return jax.tree_util.tree_unflatten(out_tree, updates + new_state)
@@ -229,9 +225,7 @@ def _skipped_updates(shapes: Any) -> Any:
 
 def _vma(x: Any) -> frozenset:
     """The mapped axes ``x`` (a value or an aval) varies over under ``shard_map`` (empty elsewhere)."""
-    aval = x if hasattr(x, "manual_axis_type") or hasattr(x, "vma") else jax.typeof(x)
-    mat = getattr(aval, "manual_axis_type", None)  # jax 0.10: ShapedArray.manual_axis_type.varying
-    return frozenset(getattr(mat, "varying", None) or getattr(aval, "vma", None) or ())
+    return varying_axes(x)
 
 
 def _union_vma(a: Sequence[Any], b: Sequence[Any]) -> list[frozenset]:
@@ -245,7 +239,7 @@ def _to_vma(tree: Any, vma: list[frozenset]) -> Any:
     out = []
     for x, want in zip(leaves, vma, strict=True):
         missing = tuple(sorted(want - _vma(x), key=str))
-        out.append(jax.lax.pcast(x, missing, to="varying") if missing else x)
+        out.append(pcast_to_varying(x, missing) if missing else x)
     return jax.tree.unflatten(treedef, out)
 
 
