@@ -30,8 +30,22 @@ from typing import Any
 
 import mpx
 
-__all__ = ["ACCUMULATION_NAME", "KINDS", "KIND_HELP", "NATIVE", "REPLICA_NAME", "SCALER_NAME", "SEVERITIES", "SEVERITY_HELP", "findings", "summary",
-           "trace_cause"]
+__all__ = [
+    "ACCUMULATION_NAME",
+    "KINDS",
+    "KIND_HELP",
+    "NATIVE",
+    "REPLICA_NAME",
+    "SCALER_NAME",
+    "SEVERITIES",
+    "SEVERITY_HELP",
+    "SUBJECTS",
+    "TEXTS",
+    "CONSEQUENCES",
+    "findings",
+    "summary",
+    "trace_cause",
+]
 
 KINDS = ("precision hazard", "scaler semantics", "default differs", "API or format gap")
 KIND_HELP = {
@@ -59,10 +73,17 @@ NATIVE = {
     "optax.MultiSteps for accumulation",
 }
 #: The native loss scaler of each backend.
-SCALER_NAME = {"torch": "torch.amp.GradScaler", "tf": "Keras's LossScaleOptimizer", "jax": "Flax's DynamicScale"}
+SCALER_NAME = {
+    "torch": "torch.amp.GradScaler",
+    "tf": "Keras's LossScaleOptimizer",
+    "jax": "Flax's DynamicScale",
+}
 #: What runs replicas natively (group ``distributed``) and accumulates (group ``accumulation``).
-REPLICA_NAME = {"torch": "torch.amp.GradScaler under DDP", "tf": "Keras's LossScaleOptimizer under MirroredStrategy",
-                "jax": "a jmp-style loss scale under shard_map (no axis_name)"}
+REPLICA_NAME = {
+    "torch": "torch.amp.GradScaler under DDP",
+    "tf": "Keras's LossScaleOptimizer under MirroredStrategy",
+    "jax": "a jmp-style loss scale under shard_map (no axis_name)",
+}
 ACCUMULATION_NAME = {"torch": "torch.amp.GradScaler with accumulated backward passes",
                      "tf": "Keras's gradient_accumulation_steps under its LossScaleOptimizer",
                      "jax": "optax.MultiSteps with a per-micro-batch loss scale"}  # fmt: skip
@@ -134,7 +155,9 @@ def trace_cause(config: dict, flags: list[bool], observed: list[float]) -> list[
                     return [name for name, _, _ in combo]
             except (mpx.MPXError, ValueError, TypeError):
                 continue
-    if len(spec) == len(observed) and all(abs(a - b) <= 1e-6 * abs(a) for a, b in zip(spec, observed, strict=False)):
+    if len(spec) == len(observed) and all(
+        abs(a - b) <= 1e-6 * abs(a) for a, b in zip(spec, observed, strict=False)
+    ):
         return ["rounding"]
     return None
 
@@ -156,7 +179,10 @@ def _classify(r: dict, params: dict) -> tuple[str, str, str]:
     if group == "ops":
         e, o = _width(exp.get("dtype")), _width(obs.get("dtype") if isinstance(obs, dict) else None)
         if e and o and o < e:
-            if e == 32 and mpx.classify(_op(r["case"]), params.get("policy", "mixed_float16")).value == "float32":
+            if (
+                e == 32
+                and mpx.classify(_op(r["case"]), params.get("policy", "mixed_float16")).value == "float32"
+            ):
                 return "precision hazard", "high", f"half:{obs['dtype']}"
             return "precision hazard", "medium", "promote"
         return "default differs", "low", "wider"
@@ -197,128 +223,237 @@ def _classify(r: dict, params: dict) -> tuple[str, str, str]:
 
 # -- one sentence per finding ---------------------------------------------------------------------
 
+#: Who a finding is about, per backend: ``subject`` of each entry of :data:`TEXTS`.
+SUBJECTS: dict[str, dict[str, str]] = {
+    "framework": {"torch": "torch autocast", "tf": "Keras", "jax": "plain JAX"},
+    "scaler": SCALER_NAME,
+    "stepper": {**SCALER_NAME, "jax": "plain optax"},  # what applies (or skips) a non-finite step
+    "replicas": REPLICA_NAME,
+    "accumulation": ACCUMULATION_NAME,
+}
+
+#: What a scale-trace cause means for training, the second half of a ``trace`` finding's explanation.
+CONSEQUENCES = {
+    "no floor": "after a burst of overflows the scale can fall below 1, so small float16 gradients underflow "
+    "to zero",
+    "no ceiling": "the scale can grow until scaled losses overflow float16, and then every such step is skipped",
+    "no hysteresis": "each isolated overflow halves the scale, so a noisy run trains at a needlessly small scale",
+    "growth one step later": "the scale grows a step later than elsewhere, so a run resumed in another "
+    "framework follows another trace",
+    "initial scale halved": "the first steps use half the scale, which matters only for the first "
+    "growth_interval steps",
+}
+
+#: Per topic: (subject, title, explanation). A topic is looked up whole, then by its part before ``:``,
+#: then as ``other``. Title and explanation are :meth:`str.format` templates over the fields of
+#: :class:`_Fields` (``{name}`` is the subject's name for the backend).
+TEXTS: dict[str, tuple[str, str, str]] = {
+    "half": (
+        "framework",
+        "{name} computes {ops} in {dtype}: {cases}{err}",
+        "These ops accumulate sums and exponentials; in {dtype} they lose about {eps:.0e} relative precision "
+        "each, so losses, norms and softmax probabilities are noisier and training can stall or diverge where "
+        "mpx keeps them in float32.",
+    ),
+    "mlp": (
+        "framework",
+        "{name}: the MLP's loss and gradients are off by more than the tolerance{err}",
+        "A whole forward/backward pass drifts from the float64 reference by more than 8 eps of the compute "
+        "dtype, so the training signal itself is less accurate.",
+    ),
+    "promote": (
+        "framework",
+        "{name} rounds float32 inputs or operands to half in {ops}: {cases}",
+        "A float32 input (or the float32 side of a mixed add, mul or cat) is rounded to half before use, so "
+        "values kept in float32 on purpose, such as a residual stream, lose precision.",
+    ),
+    "wider": (
+        "framework",
+        "{name} runs {ops} in float32 where the policy asks for half: {cases}",
+        "No accuracy is lost, but these ops run at float32 speed and keep float32 activations (for "
+        "keep_fp32=none or float32 inputs to matmul/conv you must cast by hand).",
+    ),
+    "policy-output": (
+        "framework",
+        "{name} models return the compute dtype, not float32: {policies}",
+        "A loss computed on the model's output starts from half-precision values unless you cast it.",
+    ),
+    "policy-dtypes": (
+        "framework",
+        "{name} stores or computes in a narrower dtype than the policy says: {policies}",
+        "Parameters or computation are in half precision where the policy asks for float32.",
+    ),
+    "raises:policy": (
+        "framework",
+        "{name} cannot parse {count} policy names ({specs})",
+        "Names from Lightning, Accelerate or mpx's own key syntax must be translated by hand; nothing about "
+        "the numerics changes ({error:.80}).",
+    ),
+    "raises": (
+        "framework",
+        "{name} raises on {some_cases}: {cases}",
+        "The operation cannot be run this way natively ({error:.100}).",
+    ),
+    "raises:portability": (
+        "scaler",
+        "{name} raises on {some_cases}: {cases}",
+        "The operation cannot be run this way natively ({error:.100}).",
+    ),
+    "trace:rounding": (
+        "scaler",
+        "{name} rounds its factors differently: {traces}",
+        "Scales differ in the last bits of float32, so traces are not bit-identical across frameworks; "
+        "harmless for training, but a resumed run does not reproduce exactly.",
+    ),
+    "trace:skip count": (
+        "scaler",
+        "{name} skips a different number of steps: {traces}",
+        "The scale trace matches the spec but the count of skipped steps does not, so a step the spec skips "
+        "is applied, or the reverse.",
+    ),
+    "trace:unexplained": (
+        "scaler",
+        "{name} follows other scaling rules: {traces}",
+        "The loss-scale trace differs in a way no single default explains; see the aligned traces.",
+    ),
+    "trace": ("scaler", "{name}: {causes}: {traces}", "It {said}: {consequence}."),
+    "skip": (
+        "stepper",
+        "{name}: a step with inf/NaN gradients is applied, not skipped: {cases}",
+        "One overflowing step writes inf/NaN into the parameters or the optimizer moments, and training "
+        "cannot recover from it.",
+    ),
+    "replicas:diverge": (
+        "replicas",
+        "{name}: replicas take different skip decisions: {cases}",
+        "An inf that reaches one replica's gradients after the reduction ({engines}) makes only that replica "
+        "skip and back off while the others step and grow, so the parameters diverge silently and the "
+        "replicas train different models.",
+    ),
+    "replicas:applied": (
+        "replicas",
+        "{name}: a step non-finite on one replica is applied: {cases}",
+        "Keras checks each replica's gradients before the all-reduce and acts on the first replica's flag, "
+        "so an inf on another replica is summed into every replica's update: all parameters become inf/NaN "
+        "and every later step is skipped.",
+    ),
+    "accumulation": (
+        "accumulation",
+        "{name}: the scale moves per micro-batch and only the bad micro-batch is dropped: {traces}",
+        "The same config grows the scale up to k times faster per optimizer step than torch and mpx, and a "
+        "window with an overflow is applied without its bad micro-batch, so scale traces and updates differ "
+        "from other frameworks' for the same run.",
+    ),
+    "saves": (
+        "scaler",
+        "{name} saves its own state format ({keys})",
+        "Another framework, or mpx, cannot resume the loss scale from it without a converter.",
+    ),
+    "resume": (
+        "scaler",
+        "{name} cannot resume from the neutral mpx.scaler/1 state: {cases}",
+        "A loss scale saved by another framework (or by mpx) cannot be loaded{because}, so a moved run "
+        "restarts its scale and counters.",
+    ),
+    "other": (
+        "framework",
+        "{name}: {count} other divergences in {group}",
+        "The observed value differs from the spec; see the case table.",
+    ),
+}
+
 
 def _list(names: list[str], limit: int = 8) -> str:
     names = list(dict.fromkeys(names))
     return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
+class _Fields(dict):
+    """The template fields of one finding, each computed when a template first names it."""
+
+    def __init__(self, backend: str, subject: str, topic: str, rows: list[dict], extra: dict) -> None:
+        super().__init__()
+        self.backend, self.subject, self.topic, self.rows, self.extra = backend, subject, topic, rows, extra
+
+    def __missing__(self, field: str) -> Any:
+        value = self[field] = getattr(self, "_" + field)()
+        return value
+
+    def _name(self) -> str:
+        return SUBJECTS[self.subject].get(self.backend, self.backend)
+
+    def _count(self) -> int:
+        return len(self.rows)
+
+    def _cases(self) -> str:
+        return _n(len(self.rows), "case")
+
+    def _traces(self) -> str:
+        return _n(len(self.rows), "trace")
+
+    def _policies(self) -> str:
+        return f"{len(self.rows)} " + ("policy" if len(self.rows) == 1 else "policies")
+
+    def _some_cases(self) -> str:
+        return _list([r["case"] for r in self.rows], 4)
+
+    def _ops(self) -> str:
+        return _list([_op(r["case"]) for r in self.rows])
+
+    def _specs(self) -> str:
+        return _list([r["case"].split(".", 1)[1] for r in self.rows], 6)
+
+    def _group(self) -> str:
+        return self.rows[0]["group"]
+
+    def _dtype(self) -> str:
+        return self.topic.split(":")[1]
+
+    def _eps(self) -> float:
+        return mpx.dtype_info(self["dtype"]).eps
+
+    def _err(self) -> str:
+        if "max_rel_error" not in self.extra:
+            return ""
+        return f", max rel. error {self.extra['max_rel_error']:.1e} (tolerance {self.extra['tolerance']:g})"
+
+    def _error(self) -> str:
+        return _error_line(_raised(self.rows[0]) or "")
+
+    def _because(self) -> str:
+        return f" ({self['error']})" if self["error"] else ""
+
+    def _causes(self) -> str:
+        return ", ".join(self.topic.split(":")[1].split("+"))
+
+    def _said(self) -> str:
+        words = {n: w for n, _, w in _VARIANTS}
+        return "; ".join(words[c] for c in self.topic.split(":")[1].split("+"))
+
+    def _consequence(self) -> str:
+        return CONSEQUENCES[self.topic.split(":")[1].split("+")[0]]
+
+    def _engines(self) -> str:
+        return _list([r["observed"].get("engine", "") for r in self.rows], 3)
+
+    def _keys(self) -> str:
+        return _list(sorted((self.rows[0].get("observed") or {}).get("state_dict", {}) or {}), 4)
+
+
 def _explain(backend: str, kind: str, topic: str, rows: list[dict]) -> tuple[str, str, dict]:
-    """(title, explanation, extra fields) of one finding."""
-    cases = [r["case"] for r in rows]
-    name = {"torch": "torch autocast", "tf": "Keras", "jax": "plain JAX"}.get(backend, backend)
-    if topic.startswith("trace:") or topic in ("saves", "resume", "raises:portability"):
-        name = SCALER_NAME.get(backend, backend)
-    if topic == "skip":
-        name = {"jax": "plain optax"}.get(backend, SCALER_NAME.get(backend, backend))
+    """(title, explanation, extra fields) of one finding: its topic's :data:`TEXTS` entry, filled in."""
+    subject, title, explanation = TEXTS.get(topic) or TEXTS.get(topic.split(":")[0]) or TEXTS["other"]
     extra: dict[str, Any] = {}
     errors = [r["observed"]["max_rel_error"] for r in rows
               if isinstance(r.get("observed"), dict) and isinstance(r["observed"].get("max_rel_error"), float)]  # fmt: skip
     if errors:
         extra["max_rel_error"] = max(errors)
-        tol = max(r["expected"].get("max_rel_error_at_most", 0) for r in rows if r["group"] == "numerics")
-        extra["tolerance"] = tol
-    err = f", max rel. error {max(errors):.1e} (tolerance {extra['tolerance']:g})" if errors else ""
-    if topic.startswith("half:"):
-        dtype = topic.split(":")[1]
-        ops = _list([_op(c) for c in cases])
-        return (f"{name} computes {ops} in {dtype}: {_n(len(rows), 'case')}{err}",
-                f"These ops accumulate sums and exponentials; in {dtype} they lose about "
-                f"{mpx.dtype_info(dtype).eps:.0e} relative precision each, so losses, norms and softmax "
-                "probabilities are noisier and training can stall or diverge where mpx keeps them in float32.",
-                extra)  # fmt: skip
-    if topic == "mlp":
-        return (f"{name}: the MLP's loss and gradients are off by more than the tolerance{err}",
-                "A whole forward/backward pass drifts from the float64 reference by more than 8 eps of the "
-                "compute dtype, so the training signal itself is less accurate.", extra)  # fmt: skip
-    if topic == "promote":
-        return (f"{name} rounds float32 inputs or operands to half in {_list([_op(c) for c in cases])}: {_n(len(rows), 'case')}",
-                "A float32 input (or the float32 side of a mixed add, mul or cat) is rounded to half before "
-                "use, so values kept in float32 on purpose, such as a residual stream, lose precision.", extra)  # fmt: skip
-    if topic == "wider":
-        ops = _list([_op(c) for c in cases])
-        return (f"{name} runs {ops} in float32 where the policy asks for half: {_n(len(rows), 'case')}",
-                "No accuracy is lost, but these ops run at float32 speed and keep float32 activations "
-                "(for keep_fp32=none or float32 inputs to matmul/conv you must cast by hand).", extra)  # fmt: skip
-    if topic == "policy-output":
-        return (f"{name} models return the compute dtype, not float32: {_n(len(rows), 'polic').replace('polics', 'policies').replace('1 polic', '1 policy')}",
-                "A loss computed on the model's output starts from half-precision values unless you cast it.",
-                extra)  # fmt: skip
-    if topic == "policy-dtypes":
-        return (f"{name} stores or computes in a narrower dtype than the policy says: {_n(len(rows), 'polic').replace('polics', 'policies').replace('1 polic', '1 policy')}",
-                "Parameters or computation are in half precision where the policy asks for float32.", extra)
-    if topic.startswith("raises:"):
-        group = topic.split(":")[1]
-        first = _error_line(_raised(rows[0]) or "")
-        if group == "policy":
-            specs = _list([r["case"].split(".", 1)[1] for r in rows], 6)
-            return (f"{name} cannot parse {len(rows)} policy names ({specs})",
-                    "Names from Lightning, Accelerate or mpx's own key syntax must be translated by hand; "
-                    f"nothing about the numerics changes ({first[:80]}).", extra)  # fmt: skip
-        return (f"{name} raises on {_list(cases, 4)}: {_n(len(rows), 'case')}",
-                f"The operation cannot be run this way natively ({first[:100]}).", extra)
-    if topic.startswith("trace:"):
-        causes = topic.split(":")[1].split("+")
-        words = {n: w for n, _, w in _VARIANTS}
-        if causes == ["rounding"]:
-            return (f"{name} rounds its factors differently: {_n(len(rows), 'trace')}",
-                    "Scales differ in the last bits of float32, so traces are not bit-identical across "
-                    "frameworks; harmless for training, but a resumed run does not reproduce exactly.", extra)
-        if causes == ["skip count"]:
-            return (f"{name} skips a different number of steps: {_n(len(rows), 'trace')}",
-                    "The scale trace matches the spec but the count of skipped steps does not, so a step the "
-                    "spec skips is applied, or the reverse.", extra)  # fmt: skip
-        if causes == ["unexplained"]:
-            return (f"{name} follows other scaling rules: {_n(len(rows), 'trace')}",
-                    "The loss-scale trace differs in a way no single default explains; see the aligned traces.",
-                    extra)  # fmt: skip
-        said = "; ".join(words[c] for c in causes)
-        consequence = {
-            "no floor": "after a burst of overflows the scale can fall below 1, so small float16 gradients "
-            "underflow to zero",
-            "no ceiling": "the scale can grow until scaled losses overflow float16, and then every such "
-            "step is skipped",
-            "no hysteresis": "each isolated overflow halves the scale, so a noisy run trains at a "
-            "needlessly small scale",
-            "growth one step later": "the scale grows a step later than elsewhere, so a run resumed in "
-            "another framework follows another trace",
-            "initial scale halved": "the first steps use half the scale, which matters only for the first "
-            "growth_interval steps",
-        }
-        return (f"{name}: {', '.join(causes)}: {_n(len(rows), 'trace')}",
-                f"It {said}: {consequence[causes[0]]}.", extra)  # fmt: skip
-    if topic == "skip":
-        return (f"{name}: a step with inf/NaN gradients is applied, not skipped: {_n(len(rows), 'case')}",
-                "One overflowing step writes inf/NaN into the parameters or the optimizer moments, and "
-                "training cannot recover from it.", extra)  # fmt: skip
-    if topic == "replicas:diverge":
-        engines = _list([r["observed"].get("engine", "") for r in rows], 3)
-        return (f"{REPLICA_NAME.get(backend, backend)}: replicas take different skip decisions: {_n(len(rows), 'case')}",
-                f"An inf that reaches one replica's gradients after the reduction ({engines}) makes only that "
-                "replica skip and back off while the others step and grow, so the parameters diverge silently "
-                "and the replicas train different models.", extra)  # fmt: skip
-    if topic == "replicas:applied":
-        return (f"{REPLICA_NAME.get(backend, backend)}: a step non-finite on one replica is applied: {_n(len(rows), 'case')}",
-                "Keras checks each replica's gradients before the all-reduce and acts on the first replica's flag, so an inf on another "
-                "replica is summed into every replica's update: all parameters become inf/NaN and every "
-                "later step is skipped.", extra)  # fmt: skip
-    if topic == "accumulation":
-        return (f"{ACCUMULATION_NAME.get(backend, backend)}: the scale moves per micro-batch and only the bad "
-                f"micro-batch is dropped: {_n(len(rows), 'trace')}",
-                "The same config grows the scale up to k times faster per optimizer step than torch and mpx, "
-                "and a window with an overflow is applied without its bad micro-batch, so scale traces "
-                "and updates differ from other frameworks' for the same run.", extra)  # fmt: skip
-    if topic == "saves":
-        keys = _list(sorted((rows[0].get("observed") or {}).get("state_dict", {}) or {}), 4)
-        return (f"{name} saves its own state format ({keys})",
-                "Another framework, or mpx, cannot resume the loss scale from it without a converter.", extra)
-    if topic == "resume":
-        why = _error_line(_raised(rows[0]) or "")
-        return (f"{name} cannot resume from the neutral mpx.scaler/1 state: {_n(len(rows), 'case')}",
-                "A loss scale saved by another framework (or by mpx) cannot be loaded"
-                + (f" ({why})" if why else "") + ", so a moved run restarts its scale and counters.", extra)
-    return (f"{name}: {len(rows)} other divergences in {rows[0]['group']}",
-            "The observed value differs from the spec; see the case table.", extra)
+        extra["tolerance"] = max(
+            (r["expected"].get("max_rel_error_at_most", 0) for r in rows if r["group"] == "numerics"),
+            default=0,
+        )
+    fields = _Fields(backend, subject, topic, rows, extra)
+    return title.format_map(fields), explanation.format_map(fields), extra
 
 
 def findings(data: dict) -> list[dict]:

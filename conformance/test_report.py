@@ -39,7 +39,10 @@ def _row(case_id: str, backend: str, mode: str, status: str, observed) -> dict:
 
 def _scaler_obs(case_id: str, **changes) -> dict:
     p = CASES[case_id]["params"]
-    return {"scales": _trace(p["config"], p["flags"], **changes), "skipped": CASES[case_id]["expected"]["skipped"]}
+    return {
+        "scales": _trace(p["config"], p["flags"], **changes),
+        "skipped": CASES[case_id]["expected"]["skipped"],
+    }
 
 
 #: (case, observed, expected kind, severity): one native divergence of each sort the suite finds.
@@ -110,14 +113,19 @@ def test_findings_schema_and_every_divergence_in_exactly_one():
         assert f["kind"] in F.KINDS and f["severity"] in F.SEVERITIES and f["cases"]
     listed = [c for f in found for c in f["cases"]]
     assert sorted(listed) == sorted(d[0] for d in DIVERGENCES)
-    assert [F.SEVERITIES.index(f["severity"]) for f in found] == sorted(F.SEVERITIES.index(f["severity"]) for f in found)
+    assert [F.SEVERITIES.index(f["severity"]) for f in found] == sorted(
+        F.SEVERITIES.index(f["severity"]) for f in found
+    )
     hazard = _finding_of(found, "numerics.softmax.mixed_bfloat16")
     assert hazard["max_rel_error"] == 1.8e-3 and hazard["tolerance"] == C.OP_VALUE_TOL
     assert hazard["cases"] == ["ops.softmax.mixed_bfloat16.bfloat16", "numerics.softmax.mixed_bfloat16"]
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.booleans(), min_size=3, max_size=30), st.sampled_from(["min_scale", "max_scale", "hysteresis"]))
+@given(
+    st.lists(st.booleans(), min_size=3, max_size=30),
+    st.sampled_from(["min_scale", "max_scale", "hysteresis"]),
+)
 def test_trace_cause_names_the_missing_bound(flags, field):
     config = mpx.ScalerConfig(init_scale=4.0, growth_interval=2, max_scale=64.0, hysteresis=2).to_dict()
     change = {"min_scale": None, "max_scale": None, "hysteresis": 1}[field]
@@ -151,7 +159,12 @@ def test_html_and_markdown_show_values_as_text_and_mirror_each_other():
     md2 = [line[3:] for line in md.splitlines() if line.startswith("## ")]
     assert [re.sub(r" \(.*", "", h) for h in h2[:8]] == [re.sub(r" \(.*", "", h) for h in md2[:8]]
     assert h2[0] == "Summary per framework" and h2[1] == "Legend"
-    assert page.index("id='summary'") < page.index("id='legend'") < page.index("id='findings'") < page.index("id='plots'")
+    assert (
+        page.index("id='summary'")
+        < page.index("id='legend'")
+        < page.index("id='findings'")
+        < page.index("id='plots'")
+    )
     for text in ("≠ bfloat16", "≠ raises KeyError: 'growth_factor'", "✓ float32", "≠ error 0.0018",
                  "≠ diverges at step 3: 0.5 vs 1", "skip: "):  # fmt: skip
         assert text in page and text in md, text
@@ -167,7 +180,10 @@ def test_scale_traces_are_aligned_step_by_step_in_full():
     data = _sample()
     page = report.html_report(data)
     section = page.split("id='traces'")[1].split("<code>scaler.floor</code>")[1].split("</table>")[0]
-    spec, native = CASES["scaler.floor"]["expected"]["scales"], _scaler_obs("scaler.floor", min_scale=None)["scales"]
+    spec, native = (
+        CASES["scaler.floor"]["expected"]["scales"],
+        _scaler_obs("scaler.floor", min_scale=None)["scales"],
+    )
     rows = re.findall(r"<tr>(.*?)</tr>", section)
     assert len(rows) == 1 + len(spec)  # a header and every step
     for i, row in enumerate(rows[1:]):
@@ -192,7 +208,9 @@ def test_a_failed_write_keeps_the_earlier_report(tmp_path):
     report.write_all(_sample(), out)
     before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
     broken = _sample()
-    broken["results"].append({"case": "worker", "group": "worker", "backend": "torch", "mode": "mpx"})  # no status
+    broken["results"].append(
+        {"case": "worker", "group": "worker", "backend": "torch", "mode": "mpx"}
+    )  # no status
     with pytest.raises(KeyError):
         report.write_all(broken, out)
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
@@ -205,3 +223,49 @@ def test_prepare_out_refuses_what_cannot_be_written(tmp_path):
         report.prepare_out(tmp_path / "file")
     with pytest.raises(OSError):
         report.prepare_out(tmp_path / "file" / "sub")
+
+
+#: The sample's finding titles, pinned when ``_explain`` became the table ``F.TEXTS`` (#22).
+SAMPLE_TITLES = [
+    "torch autocast computes softmax in bfloat16: 2 cases, max rel. error 1.8e-03 (tolerance 1e-05)",
+    "torch autocast computes layer_norm in float16: 1 case",
+    "torch.amp.GradScaler: a step with inf/NaN gradients is applied, not skipped: 1 case",
+    "torch autocast rounds float32 inputs or operands to half in add: 1 case",
+    "torch.amp.GradScaler: no floor: 1 trace",
+    "torch.amp.GradScaler: no ceiling: 1 trace",
+    "torch.amp.GradScaler: no hysteresis: 1 trace",
+    "torch autocast models return the compute dtype, not float32: 1 policy",
+    "torch.amp.GradScaler saves its own state format (_growth_tracker, scale)",
+    "torch.amp.GradScaler cannot resume from the neutral mpx.scaler/1 state: 1 case",
+    "torch.amp.GradScaler rounds its factors differently: 1 trace",
+    "torch autocast runs softmax, matmul in float32 where the policy asks for half: 2 cases",
+    "torch.amp.GradScaler: initial scale halved: 1 trace",
+    "torch.amp.GradScaler: growth one step later: 1 trace",
+    "torch autocast cannot parse 1 policy names (bf16-mixed)",
+]
+
+
+def test_finding_texts_are_the_table_filled_in():
+    found = F.findings(_sample())
+    assert [f["title"] for f in found] == SAMPLE_TITLES
+    floor = _finding_of(found, "scaler.floor")
+    assert (
+        floor["explanation"]
+        == "It has no min_scale: overflows keep halving the scale: " + F.CONSEQUENCES["no floor"] + "."
+    )
+    assert set(F.CONSEQUENCES) == {name for name, _, _ in F._VARIANTS}
+    assert all(subject in F.SUBJECTS for subject, _, _ in F.TEXTS.values())
+
+
+def test_policies_are_counted_in_words():
+    ids = [i for i in CASES if i.startswith("policy.")][:11]
+    rows = [
+        _row(i, "tf", "native", "differs", {"params": "float32", "compute": "float16", "output": "float16"})
+        for i in ids
+    ]
+    assert F._explain("tf", "default differs", "policy-output", rows[:1])[0].endswith(": 1 policy")
+    assert F._explain("tf", "default differs", "policy-output", rows)[0].endswith(
+        ": 11 policies"
+    )  # was "11 policyies"
+    other = F._explain("tf", "default differs", "other:models", rows[:2])
+    assert other[0] == "Keras: 2 other divergences in policy" and other[2] == {}
