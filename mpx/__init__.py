@@ -29,6 +29,14 @@ from mpx.errors import (
     StateDictError,
     UnsupportedTypeError,
 )
+from mpx.float8 import (
+    Float8Recipe,
+    Float8State,
+    float8_init,
+    float8_state_dict,
+    float8_update,
+    load_float8_state_dict,
+)
 from mpx.history import HISTORY_FORMAT, HistoryError, ScalerHistory
 from mpx.ops import OP_CATEGORIES, OP_TABLE, OpClass, OpTable, classify, result_dtype
 from mpx.policy import CATEGORIES, PRESET_ALIASES, PRESETS, Override, Policy, PolicySpec, get_policy
@@ -65,6 +73,8 @@ __all__ = [
     "DTypeError",
     "FrameworkVersionError",
     "DTypeInfo",
+    "Float8Recipe",
+    "Float8State",
     "LossScaler",
     "MPXError",
     "OpClass",
@@ -91,7 +101,11 @@ __all__ = [
     "canonical_dtype",
     "classify",
     "dtype_info",
+    "float8_init",
+    "float8_state_dict",
+    "float8_update",
     "get_policy",
+    "load_float8_state_dict",
     "load_state_dict",
     "numpy_dtype",
     "resolve_categories",
