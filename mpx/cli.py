@@ -1,5 +1,9 @@
 """The ``mpx`` command line: ``mpx --version``, ``mpx policy show SPEC``, ``mpx policy list``.
 
+The other commands (``conformance``, ``bench``, ``doctor``, ``compare``, ``history``) live beside the
+core and are imported when the parser is built.  One whose import fails stays listed in ``mpx --help``
+as ``unavailable: importing MODULE failed: ...``, and running it prints that line and exits 2.
+
 Every user error exits 2 with one line on stderr and no traceback: bad arguments, an invalid policy,
 an ``--out`` that cannot be written, an ``--only`` that matches nothing, and any :class:`mpx.MPXError`
 a command raises.  Ctrl-C exits 130.
@@ -119,12 +123,21 @@ def build_parser() -> argparse.ArgumentParser:
     for name, help_text, module, add, run in _EXTRA_COMMANDS:
         try:
             provider = importlib.import_module(module)
-        except ImportError:  # pragma: no cover - shipped in the same distribution
+        except ImportError as err:  # listed with the reason; running it says why (exit 2)
+            reason = _import_failure(module, err)
+            sub = commands.add_parser(name, help=f"unavailable: {reason}", add_help=False)
+            sub.set_defaults(unavailable=f"mpx {name}: unavailable: {reason}")
             continue
         sub = commands.add_parser(name, help=help_text)
         getattr(provider, add)(sub)
         sub.set_defaults(run=getattr(provider, run))
     return parser
+
+
+def _import_failure(module: str, err: ImportError) -> str:
+    """One line on why ``module`` cannot be imported: the ImportError's message, naming the module."""
+    message = str(err).splitlines()[0] if str(err) else type(err).__name__
+    return f"importing {module} failed: {type(err).__name__}: {message}"
 
 
 def _command_names(parser: argparse.ArgumentParser) -> list[str]:
@@ -139,7 +152,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = None
     try:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        if getattr(args, "unavailable", None):  # whatever its arguments: they cannot be checked
+            raise UsageError(args.unavailable)
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
         run: Callable[[argparse.Namespace], int] | None = getattr(args, "run", None)
         if run is None:
             if args.command == "policy":

@@ -8,7 +8,8 @@ from mpx.cli import main
 
 
 def run(*args):
-    return subprocess.run([sys.executable, "-m", "mpx", *args], capture_output=True, text=True)
+    # the bound only catches a hang: these commands stop before any framework loads (seconds)
+    return subprocess.run([sys.executable, "-m", "mpx", *args], capture_output=True, text=True, timeout=600)
 
 
 def test_version():
@@ -69,8 +70,46 @@ def test_conformance_unknown_backend_exits_2_naming_the_known_ones():
 
 def test_help_lists_every_command():
     out = run("--help")
-    for command in ("policy", "conformance", "bench", "doctor"):
+    for command in ("policy", "conformance", "bench", "doctor", "compare", "history"):
         assert command in out.stdout
+    assert "unavailable" not in out.stdout
+
+
+def _help(capsys) -> str:
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0
+    return " ".join(capsys.readouterr().out.split())  # argparse wraps long help lines
+
+
+def test_a_command_whose_import_fails_is_listed_with_the_reason(monkeypatch, capsys):
+    # None in sys.modules is how Python itself blocks an import: importing it raises ModuleNotFoundError
+    monkeypatch.setitem(sys.modules, "mpx_compare.cli", None)
+    reason = "importing mpx_compare.cli failed: ModuleNotFoundError: import of mpx_compare.cli halted; None in sys.modules"
+    assert f"compare unavailable: {reason}" in _help(capsys)
+    for args in (["compare"], ["compare", "--backend", "torch", "--bogus"], ["compare", "--help"]):
+        assert main(args) == 2, args
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err == f"mpx compare: unavailable: {reason}\n", args
+    assert main(["policy", "list"]) == 0  # the other commands still run
+    assert "unavailable" not in _help(capsys).replace("compare unavailable", "")
+
+
+def test_a_missing_dependency_of_a_command_is_named(tmp_path):
+    """A real failed import in a fresh process: an ``mpx_bench`` whose dependency is not installed."""
+    (tmp_path / "mpx_bench").mkdir()
+    (tmp_path / "mpx_bench" / "__init__.py").write_text("import mpx_no_such_dependency\n")
+    (tmp_path / "mpx_bench" / "cli.py").write_text("")
+    listing = subprocess.run([sys.executable, "-m", "mpx", "--help"], cwd=tmp_path, capture_output=True, text=True,
+                             timeout=600)  # fmt: skip
+    why = "importing mpx_bench.cli failed: ModuleNotFoundError: No module named 'mpx_no_such_dependency'"
+    assert listing.returncode == 0 and listing.stderr == ""
+    help_text = " ".join(listing.stdout.split())
+    assert f"bench unavailable: {why}" in help_text and f"doctor unavailable: {why}" in help_text
+    assert "conformance run the conformance suite" in help_text
+    out = subprocess.run([sys.executable, "-m", "mpx", "doctor", "--json"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=600)  # fmt: skip
+    assert (out.returncode, out.stdout, out.stderr) == (2, "", f"mpx doctor: unavailable: {why}\n")
 
 
 # -- every command: user errors exit 2 with one line and no traceback; reports are never clobbered ---------
