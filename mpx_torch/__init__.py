@@ -7,6 +7,7 @@
 'dynamic'
 """
 
+from mpx_torch import _compat  # noqa: F401  (first: the torch version check)
 from mpx_torch.autocast import autocast, to_torch_dtype
 from mpx_torch.diagnostics import underflow_stats, watch
 from mpx_torch.distributed import fsdp_mixed_precision, fully_shard, register_comm_hook

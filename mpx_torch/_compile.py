@@ -10,11 +10,12 @@ per-optimizer dicts) and never recompiles when the scale changes.
 from __future__ import annotations
 
 import functools
-import importlib
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
+
+from mpx_torch import _compat
 
 __all__ = ["compiling", "eager_under_dynamo", "make_eager"]
 
@@ -28,12 +29,9 @@ def compiling() -> bool:
 
 _EAGER: list[Callable[[], None]] = []  # makes each wrapper's disabled method (see make_eager)
 
-try:  # the eval-frame callback is set while code compiled by dynamo runs (and while it traces)
-    from torch._C._dynamo.eval_frame import get_eval_frame_callback as _frame_callback
-except ImportError:  # pragma: no cover - a torch without dynamo
 
-    def _frame_callback() -> Any:
-        return None
+def _no_callback() -> None:
+    return None
 
 
 def eager_under_dynamo(method: _F | None = None, *, recursive: bool = True) -> Any:
@@ -55,31 +53,25 @@ def eager_under_dynamo(method: _F | None = None, *, recursive: bool = True) -> A
     if method is None:
         return functools.partial(eager_under_dynamo, recursive=recursive)
     eager: Callable[..., Any] | None = None
+    frame_callback: Callable[[], Any] = _no_callback
 
     @functools.wraps(method)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if eager is not None:  # the wrapper is never traced: a set callback means compiled code called it
-            return method(*args, **kwargs) if _frame_callback() is None else eager(*args, **kwargs)
+            return method(*args, **kwargs) if frame_callback() is None else eager(*args, **kwargs)
         if torch.compiler.is_compiling():
             return torch.compiler.disable(method)(*args, **kwargs)
         return method(*args, **kwargs)
 
     def make() -> None:
-        nonlocal eager
-        import torch._dynamo.decorators as decorators
-
+        nonlocal eager, frame_callback
+        frame_callback = _compat.eval_frame_callback_getter()
         if recursive:
             eager = torch.compiler.disable(method)
         else:
-            skip_code = getattr(importlib.import_module("torch._dynamo.eval_frame"), "skip_code", None)
-            if skip_code is None:  # another torch: everything under method runs eagerly
-                eager = torch.compiler.disable(method)
-            else:
-                skip_code(method.__code__)
-                eager = method
-        skip = getattr(decorators, "skip", None)  # no inlining, and no frame of the wrapper's compiled
-        if skip is not None:
-            skip(wrapper)
+            _compat.dynamo_skip_code(method.__code__)
+            eager = method
+        _compat.dynamo_skip(wrapper)  # no inlining, and no frame of the wrapper's compiled
 
     _EAGER.append(make)
     return wrapper  # type: ignore[return-value]

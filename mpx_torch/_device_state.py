@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from mpx import COUNTER_MAX, ScalerConfig, ScalerState
+from mpx_torch import _compat
 
 __all__ = ["DeviceState"]
 
@@ -19,9 +20,11 @@ class DeviceState:
     whatever the gradients), the rest on the device.
     """
 
-    #: use ``torch._amp_update_scale_`` (one kernel, as torch's GradScaler): the scale's products are
-    #: then torch's own, ``float32(float64(scale) * float64(factor))``, bit for bit
-    use_torch_kernel = hasattr(torch, "_amp_update_scale_")
+    #: use ``torch._amp_update_scale_`` (one kernel, as torch's GradScaler; a torch without it raises
+    #: :class:`mpx.FrameworkVersionError`, see :mod:`mpx_torch._compat`): the scale's products are then
+    #: torch's own, ``float32(float64(scale) * float64(factor))``, bit for bit.  False: the same
+    #: arithmetic in tensor ops (the tests run both and compare them)
+    use_torch_kernel = True
 
     def __init__(self, config: ScalerConfig, state: ScalerState, device: torch.device) -> None:
         self.device = device
@@ -64,14 +67,16 @@ class DeviceState:
         self.steps = min(self.steps + 1, COUNTER_MAX)
         if config.skip_nonfinite:
             self.skipped_steps.add_(nonfinite).clamp_(max=COUNTER_MAX)
-        consecutive = torch.where(nonfinite, (self.consecutive_nonfinite + 1).clamp_(max=COUNTER_MAX), self.zero)
+        consecutive = torch.where(
+            nonfinite, (self.consecutive_nonfinite + 1).clamp_(max=COUNTER_MAX), self.zero
+        )
         if config.kind == "dynamic":
             if config.hysteresis > 1:  # a non-finite step before the hysteresis-th keeps the scale
                 keep = nonfinite & (consecutive < config.hysteresis)
                 saved = self.scale.clone()
             if self.use_torch_kernel:
                 # found_inf: backoff and tracker 0; else the tracker counts and the scale grows (kept if inf)
-                torch._amp_update_scale_(
+                _compat.amp_update_scale_(
                     self.scale, self.growth_tracker, found_inf, *self.factors, config.growth_interval
                 )
             else:  # the kernel's arithmetic, with float64 products

@@ -45,6 +45,7 @@ from mpx import (
     state_dict,
 )
 from mpx.scaling import _finite_float, f32
+from mpx_torch import _compat
 from mpx_torch._compile import eager_under_dynamo, make_eager
 from mpx_torch._device_state import DeviceState as _DeviceState
 from mpx_torch._scaler_state import NATIVE_KEYS, as_config, native_to_neutral
@@ -248,7 +249,7 @@ class GradScaler:
                     if param.grad.is_sparse:
                         if param.grad.dtype is torch.float16:
                             param.grad = param.grad.coalesce()
-                        to_unscale = param.grad._values()
+                        to_unscale = _compat.sparse_values(param.grad)
                     else:
                         to_unscale = param.grad
                     grads[to_unscale.device][to_unscale.dtype].append(to_unscale)
@@ -257,12 +258,12 @@ class GradScaler:
                     per_device_found[device] = found_inf.to(device, non_blocking=True, copy=True)
                     per_device_inv[device] = inv_scale.to(device, non_blocking=True, copy=True)
                 for group_grads in per_dtype.values():
-                    torch._amp_foreach_non_finite_check_and_unscale_(
+                    _compat.foreach_non_finite_check_and_unscale_(
                         group_grads, per_device_found[device], per_device_inv[device]
                     )
                     if check_unscaled:  # times 1: a check only
                         one = torch.ones_like(per_device_inv[device])
-                        torch._amp_foreach_non_finite_check_and_unscale_(
+                        _compat.foreach_non_finite_check_and_unscale_(
                             group_grads, per_device_found[device], one
                         )
         return per_device_found
@@ -340,7 +341,7 @@ class GradScaler:
         if optimizer_state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
 
-        if getattr(optimizer, "_step_supports_amp_scaling", False):
+        if _compat.step_supports_amp_scaling(optimizer):
             if "grad_scaler" in inspect.signature(optimizer.step).parameters:
                 # torch's older protocol: the optimizer gets the scaler and does its own unscaling,
                 # checks and skipping (with _check_inf_per_device, _found_inf_per_device, unscale_)
