@@ -15,7 +15,8 @@ from mpx_jax.diagnostics import find_nonfinite, underflow_stats
 from mpx_jax.distributed import all_reduce_gradients, combine_finite, mapped_axes
 from mpx_jax.history import HistoryRecorder
 from mpx_jax.loss_scale import LossScale, all_finite, select_tree
-from mpx_jax.transform import LossScalingState, get_loss_scale, with_loss_scaling
+from mpx_jax.opt_state import get_loss_scale, set_loss_scale
+from mpx_jax.transform import LossScalingState, with_loss_scaling
 
 __all__ = [
     "HistoryRecorder",
@@ -33,6 +34,7 @@ __all__ = [
     "get_loss_scale",
     "mapped_axes",
     "select_tree",
+    "set_loss_scale",
     "underflow_stats",
     "with_loss_scaling",
 ]

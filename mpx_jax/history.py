@@ -88,7 +88,7 @@ class HistoryRecorder:
     def record(self, loss_scale_or_state: Any) -> None:
         """Record the state after a step: a :class:`~mpx_jax.LossScale`, or an optimizer state holding one."""
         from mpx_jax.loss_scale import LossScale
-        from mpx_jax.transform import get_loss_scale
+        from mpx_jax.opt_state import get_loss_scale
 
         ls = loss_scale_or_state
         if not isinstance(ls, LossScale):

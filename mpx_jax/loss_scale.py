@@ -51,7 +51,10 @@ import mpx
 from mpx.scaling import INF_BITS, FactorSplit, ScalerConfig, ScalerState, product_bits
 from mpx_jax.casting import is_floating_array
 
-__all__ = ["INT32_MAX", "LossScale", "all_finite", "select_tree"]
+__all__ = ["INT32_MAX", "STATE_FIELDS", "LossScale", "all_finite", "select_tree"]
+
+#: The state fields of a :class:`LossScale`, in pytree order: its leaves.
+STATE_FIELDS = ("loss_scale", "growth_tracker", "consecutive_nonfinite", "steps", "skipped_steps")
 
 #: The largest value an int32 counter holds (:data:`mpx.COUNTER_MAX`).
 INT32_MAX = mpx.COUNTER_MAX
@@ -79,6 +82,12 @@ class LossScale:
     ``loss_scale`` (float32 scalar), ``growth_tracker``,
     ``consecutive_nonfinite``, ``steps``, ``skipped_steps`` (int32 scalars)
     and ``config`` (the :class:`mpx.ScalerConfig`, static metadata).
+
+    The surface every mpx scaler shares (:data:`mpx.testing.SURFACE_NAMES`):
+    ``config``, ``state`` (an :class:`mpx.ScalerState`), ``get_scale()`` (a
+    Python float), ``scale(tree)``, ``state_dict()`` and ``load_state_dict(d)``
+    (which returns the loaded ``LossScale``: this one is immutable).  The
+    counters are read through ``state``.
     """
 
     loss_scale: jax.Array
@@ -90,13 +99,18 @@ class LossScale:
 
     # -- construction ----------------------------------------------------------
     @classmethod
-    def create(cls, config: ScalerConfig | None = None) -> LossScale:
+    def create(cls, config: Any = None) -> LossScale:
         """A fresh loss scale for ``config`` (default: ``mpx.ScalerConfig()``, dynamic, 2**16).
 
+        ``config``: anything :func:`mpx.as_scaler_config` reads: None, an
+        ``mpx.ScalerConfig``, its ``to_dict()`` dict, or a policy (an
+        ``mpx.Policy``, a spec string such as ``"mixed_float16"``, a policy dict).
+
         Raises:
-            ScalerConfigError: when ``config`` is not an ``mpx.ScalerConfig``.
+            ScalerConfigError: for any other type or a bad config dict.
+            PolicyError: for a string or dict that is not a policy spec.
         """
-        config = _check_config(config)
+        config = mpx.as_scaler_config(config)
         return cls._from_state(config, mpx.scaler_init(config))
 
     @classmethod
@@ -123,7 +137,7 @@ class LossScale:
         would overflow float16); float32 and float64 leaves keep their dtype.
         Non-floating leaves are returned unchanged.
         """
-        scale = self.loss_scale
+        scale = plain_loss_scale(self).loss_scale
 
         def mul(x: Any) -> Any:
             if not is_floating_array(x):
@@ -139,7 +153,7 @@ class LossScale:
         gradients do not underflow; float64 leaves stay float64.  Each leaf is
         multiplied by the float32 reciprocal of the scale (as torch does).
         """
-        inv = jnp.float32(1.0) / self.loss_scale
+        inv = jnp.float32(1.0) / plain_loss_scale(self).loss_scale
         none = self.config.kind == "none"
 
         def div(x: Any) -> Any:
@@ -159,6 +173,7 @@ class LossScale:
         adds a ``jax.debug.callback``, see :mod:`mpx_jax.history`); with the
         option off nothing is added.
         """
+        self = plain_loss_scale(self)  # the values of NNX variables (nnx.Optimizer's OptArray)
         finite = jnp.asarray(finite)
         if finite.shape != ():
             raise ValueError(f"finite: expected a scalar boolean, got an array of shape {finite.shape}.")
@@ -205,14 +220,31 @@ class LossScale:
     @property
     def state(self) -> ScalerState:
         """The state as an :class:`mpx.ScalerState` (reads the device values: not under ``jit``)."""
-        values = jax.device_get(
-            (self.loss_scale, self.growth_tracker, self.consecutive_nonfinite, self.steps, self.skipped_steps)
-        )
+        plain = plain_loss_scale(self)
+        values = jax.device_get(tuple(getattr(plain, name) for name in STATE_FIELDS))
         return ScalerState(float(values[0]), *(int(v) for v in values[1:]))
+
+    def get_scale(self) -> float:
+        """The current scale as a Python float (a host read: not under ``jit``; there use ``loss_scale``)."""
+        return float(jax.device_get(plain_loss_scale(self).loss_scale))
+
 
     def state_dict(self) -> dict[str, Any]:
         """The neutral JSON-safe state dict (``mpx.scaler/1``), the same as every mpx backend's."""
         return mpx.state_dict(self.config, self.state)
+
+    def load_state_dict(self, data: Mapping[str, Any]) -> LossScale:
+        """The loss scale saved in ``data`` (a :meth:`state_dict` dict, from any backend).
+
+        ``LossScale`` is immutable, so this returns the loaded value (its config
+        and state are ``data``'s) and leaves ``self`` as it is; the same as
+        :meth:`from_state_dict`.  Put it back into an optimizer state with
+        :func:`mpx_jax.set_loss_scale`.
+
+        Raises:
+            StateDictError: for a malformed dict (see :func:`mpx.load_state_dict`).
+        """
+        return type(self).from_state_dict(data)
 
     @classmethod
     def from_state_dict(cls, data: Mapping[str, Any]) -> LossScale:
@@ -222,13 +254,13 @@ class LossScale:
             StateDictError: for a malformed dict (see :func:`mpx.load_state_dict`).
         """
         config, state = mpx.load_state_dict(data)
-        _check_config(config)
         return cls._from_state(config, state)
 
     def __repr__(self) -> str:
+        plain = plain_loss_scale(self)
         try:
-            return f"LossScale(kind={self.config.kind!r}, scale={float(self.loss_scale)}, steps={int(self.steps)})"
-        except Exception:  # traced values
+            return f"LossScale(kind={self.config.kind!r}, scale={float(plain.loss_scale)}, steps={int(plain.steps)})"
+        except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):  # traced values
             return f"LossScale(kind={self.config.kind!r}, traced)"
 
 
@@ -239,14 +271,25 @@ jax.tree_util.register_dataclass(
 )
 
 
-def _check_config(config: Any) -> ScalerConfig:
-    if config is None:
-        return ScalerConfig()
-    if not isinstance(config, ScalerConfig):
-        raise mpx.ScalerConfigError(
-            f"config: expected an mpx.ScalerConfig or None, got {type(config).__name__}"
-        )
-    return config  # the core bounds growth_interval and hysteresis at INT32_MAX
+def plain_loss_scale(loss_scale: LossScale) -> LossScale:
+    """``loss_scale`` with each state field a plain array: the value of a Flax NNX variable
+    (``nnx.Optimizer`` wraps its state leaves in ``OptArray``), else the field itself."""
+    from mpx_jax._compat import nnx_if_loaded
+
+    nnx = nnx_if_loaded()
+    if nnx is None:
+        return loss_scale
+    values = {name: getattr(loss_scale, name) for name in STATE_FIELDS}
+    if not any(isinstance(v, nnx.Variable) for v in values.values()):
+        return loss_scale
+    plain = {k: v.get_value() if isinstance(v, nnx.Variable) else v for k, v in values.items()}
+    return dataclasses.replace(loss_scale, **plain)
+
+
+def config_difference(a: ScalerConfig, b: ScalerConfig) -> str:
+    """The fields in which two configs differ, as ``"name a vs b"`` phrases ("" when equal)."""
+    da, db = a.to_dict(), b.to_dict()
+    return ", ".join(f"{k} {da[k]!r} vs {db.get(k)!r}" for k in da if da[k] != db.get(k))
 
 
 def _at_least_f32(dtype: Any) -> Any:

@@ -90,7 +90,7 @@ from mpx_jax.casting import is_floating_array
 from mpx_jax.distributed import combine_finite
 from mpx_jax.loss_scale import LossScale, all_finite, select_tree
 
-__all__ = ["LossScalingState", "get_loss_scale", "with_loss_scaling"]
+__all__ = ["LossScalingState", "with_loss_scaling"]
 
 
 class LossScalingState(NamedTuple):
@@ -368,25 +368,3 @@ def with_loss_scaling(
         return new_updates, LossScalingState(new_inner, new_scale, new_acc, micro)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-def get_loss_scale(opt_state: Any) -> LossScale:
-    """The :class:`~mpx_jax.LossScale` inside ``opt_state`` (at any depth: chain, inject_hyperparams...).
-
-    Multiply the loss with it: ``get_loss_scale(opt_state).scale(loss)``.
-
-    Raises:
-        ValueError: when ``opt_state`` holds no loss scale, or more than one.
-    """
-    found = [
-        leaf
-        for leaf in jax.tree_util.tree_leaves(opt_state, is_leaf=lambda x: isinstance(x, LossScale))
-        if isinstance(leaf, LossScale)
-    ]
-    if not found:
-        raise ValueError(
-            "opt_state: holds no LossScale; build the optimizer with mpx_jax.with_loss_scaling(tx)."
-        )
-    if len(found) > 1:
-        raise ValueError(f"opt_state: holds {len(found)} LossScale objects; expected exactly one.")
-    return found[0]

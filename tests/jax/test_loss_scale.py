@@ -214,8 +214,13 @@ def test_state_dict_errors():
         LossScale.from_state_dict({**d, "steps": INT32_MAX + 1})
     with pytest.raises(mpx.ScalerConfigError, match="^growth_interval: "):
         LossScale.create(mpx.ScalerConfig(growth_interval=2**31))
-    with pytest.raises(mpx.ScalerConfigError, match="config"):
-        LossScale.create({"kind": "dynamic"})
+    # every config form mpx.as_scaler_config reads (#22); others raise its errors
+    assert LossScale.create({"kind": "dynamic", "growth_interval": 5}).config.growth_interval == 5
+    assert LossScale.create("mixed_float16").config == mpx.ScalerConfig.for_policy("mixed_float16")
+    with pytest.raises(mpx.ScalerConfigError, match="config: expected an mpx.ScalerConfig"):
+        LossScale.create(3)
+    with pytest.raises(mpx.PolicyError, match="mixed_float17"):
+        LossScale.create("mixed_float17")
 
 
 # -- scale / unscale -------------------------------------------------------------------------

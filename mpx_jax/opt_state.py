@@ -1,0 +1,124 @@
+"""Find the loss scale in an optimizer state, and put a changed one back.
+
+:func:`get_loss_scale` reads the :class:`~mpx_jax.LossScale` that
+:func:`~mpx_jax.with_loss_scaling` keeps in its state, from anything that holds it:
+
+* a plain optax state (the ``LossScalingState``, or any pytree around it:
+  ``optax.chain``, ``inject_hyperparams``, a ``TrainState``...);
+* a Flax ``nnx.Optimizer`` (its ``opt_state``), or that ``opt_state`` itself, whose
+  leaves NNX wraps in ``OptArray``/``OptVariable`` variables.
+
+It always returns a ``LossScale`` of plain arrays (the variables' values), so
+``get_loss_scale(opt).scale(loss)``, ``.get_scale()``, ``.state`` and
+``.state_dict()`` work the same for all of them.
+
+:func:`set_loss_scale` is the way back: a new optax state with the loss scale
+replaced, or, for an ``nnx.Optimizer`` (or an ``opt_state`` of NNX variables),
+the variables set in place.  Its config must be the optimizer's (the transform
+was built with it); load a saved scale with
+``set_loss_scale(opt, get_loss_scale(opt).load_state_dict(saved))``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+import mpx
+from mpx_jax._compat import nnx_if_loaded
+from mpx_jax.loss_scale import STATE_FIELDS, LossScale, config_difference, plain_loss_scale
+
+__all__ = ["get_loss_scale", "set_loss_scale"]
+
+
+def _optimizer_state(obj: Any, nnx: Any) -> Any:
+    """``obj.opt_state`` for an ``nnx.Optimizer``, else ``obj``."""
+    return obj.opt_state if nnx is not None and isinstance(obj, nnx.Optimizer) else obj
+
+
+def _is_loss_scale(x: Any) -> bool:
+    return isinstance(x, LossScale)
+
+
+def _the_loss_scale(tree: Any, given: Any) -> LossScale:
+    found = [leaf for leaf in jax.tree_util.tree_leaves(tree, is_leaf=_is_loss_scale) if _is_loss_scale(leaf)]
+    if not found:
+        raise mpx.UnsupportedTypeError(
+            f"opt_state: {type(given).__name__} holds no LossScale; pass the state of an optimizer built with "
+            "mpx_jax.with_loss_scaling(tx) (a plain optax state, an nnx.Optimizer or its opt_state)."
+        )
+    if len(found) > 1:
+        raise mpx.MPXError(f"opt_state: holds {len(found)} LossScale objects; expected exactly one.")
+    return found[0]
+
+
+def get_loss_scale(opt_state: Any) -> LossScale:
+    """The :class:`~mpx_jax.LossScale` inside ``opt_state``, as plain arrays.
+
+    ``opt_state``: an optax state holding one (at any depth: chain,
+    inject_hyperparams...), an ``nnx.Optimizer`` over ``with_loss_scaling(tx)``,
+    or its ``opt_state`` (``OptArray`` variables).  Multiply the loss with it:
+    ``get_loss_scale(opt_state).scale(loss)``.
+
+    Raises:
+        UnsupportedTypeError: when ``opt_state`` holds no loss scale.
+        MPXError: when it holds more than one.
+    """
+    tree = _optimizer_state(opt_state, nnx_if_loaded())
+    return plain_loss_scale(_the_loss_scale(tree, opt_state))
+
+
+def _check_replacement(old: LossScale, new: Any) -> LossScale:
+    if not isinstance(new, LossScale):
+        raise mpx.UnsupportedTypeError(
+            f"loss_scale: expected an mpx_jax.LossScale, got {type(new).__name__}."
+        )
+    diff = config_difference(old.config, new.config)
+    if diff:
+        raise mpx.ScalerConfigError(
+            f"loss_scale: its config differs from the one the optimizer was built with ({diff}); "
+            "with_loss_scaling(tx, config) keeps its config, so build the optimizer with the new config."
+        )
+    new = plain_loss_scale(new)
+    for name, dtype in zip(STATE_FIELDS, (jnp.float32,) + (jnp.int32,) * 4, strict=True):
+        value = getattr(new, name)
+        if jnp.shape(value) != () or jnp.result_type(value) != dtype:
+            raise mpx.UnsupportedTypeError(
+                f"loss_scale.{name}: expected a {jnp.dtype(dtype).name} scalar, got "
+                f"{jnp.result_type(value).name}{list(jnp.shape(value))}."
+            )
+    return new
+
+
+def set_loss_scale(opt_state: Any, loss_scale: LossScale) -> Any:
+    """``opt_state`` with its loss scale replaced by ``loss_scale`` (the way back from :func:`get_loss_scale`).
+
+    * A plain optax state: returns a new state (the input is not changed).
+    * An ``nnx.Optimizer``, or an ``opt_state`` whose loss scale is held in NNX
+      variables: sets those variables in place and returns ``opt_state`` itself.
+
+    Raises:
+        UnsupportedTypeError: when ``opt_state`` holds no loss scale, or
+            ``loss_scale`` is not a ``LossScale`` of scalar float32/int32 arrays.
+        ScalerConfigError: when ``loss_scale.config`` is not the optimizer's
+            config (naming the fields that differ); nothing is changed.
+    """
+    nnx = nnx_if_loaded()
+    tree = _optimizer_state(opt_state, nnx)
+    old = _the_loss_scale(tree, opt_state)
+    new = _check_replacement(old, loss_scale)
+    held = [getattr(old, name) for name in STATE_FIELDS]
+    if nnx is not None and any(isinstance(v, nnx.Variable) for v in held):
+        if not all(isinstance(v, nnx.Variable) for v in held):
+            raise mpx.MPXError("opt_state: its LossScale mixes NNX variables and plain arrays; cannot set it.")
+        for name, variable in zip(STATE_FIELDS, held, strict=True):
+            variable.set_value(getattr(new, name))
+        return opt_state
+    if tree is not opt_state:  # an nnx.Optimizer whose opt_state holds plain arrays
+        raise mpx.UnsupportedTypeError(
+            "opt_state: this nnx.Optimizer holds its loss scale as plain arrays, not variables; "
+            "set optimizer.opt_state = set_loss_scale(optimizer.opt_state, loss_scale)."
+        )
+    return jax.tree_util.tree_map(lambda x: new if _is_loss_scale(x) else x, tree, is_leaf=_is_loss_scale)
