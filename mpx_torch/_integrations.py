@@ -1,0 +1,76 @@
+"""What the Lightning, Accelerate and HF Transformers integrations share.
+
+Nothing here imports a training library: ``mpx_torch.lightning``,
+``mpx_torch.accelerate`` and ``mpx_torch.transformers`` import theirs.
+
+>>> import mpx
+>>> lightning_precision(mpx.get_policy("mixed_float16")), lightning_precision(mpx.get_policy("bfloat16"))
+('16-mixed', 'bf16-true')
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from mpx import Policy
+from mpx_torch.grad_scaler import GradScaler, OptState
+
+__all__ = ["HalfParametersWarning", "lightning_precision", "unscale_once", "warn_half_parameters"]
+
+_LIGHTNING_PREFIX = {"float16": "16", "bfloat16": "bf16", "float32": "32", "float64": "64"}
+
+
+class HalfParametersWarning(UserWarning):
+    """Half-precision parameters were upcast to the policy's float32 master weights."""
+
+
+def lightning_precision(policy: Policy) -> str:
+    """Lightning's precision string for ``policy``: ``"16-mixed"``, ``"bf16-mixed"``, ``"bf16-true"``, ...
+
+    ``<compute>-true`` when the parameters are stored in the compute dtype,
+    ``<compute>-mixed`` otherwise (Lightning's names for the same setups).
+    """
+    prefix = _LIGHTNING_PREFIX.get(policy.compute_dtype, policy.compute_dtype)
+    return f"{prefix}-{'true' if policy.param_dtype == policy.compute_dtype else 'mixed'}"
+
+
+def warn_half_parameters(module: nn.Module, policy: Policy, *, stacklevel: int = 3) -> None:
+    """Warn when ``module`` holds float16/bfloat16 parameters that ``policy`` stores in float32.
+
+    ``prepare`` upcasts them (the policy's float32 master weights), which
+    doubles their memory: typically a checkpoint loaded with transformers'
+    default ``dtype="auto"`` in the half dtype it was saved in.
+    """
+    if policy.param_dtype != "float32":
+        return
+    half = {torch.float16: 0, torch.bfloat16: 0}
+    for param in module.parameters():
+        if param.dtype in half:
+            half[param.dtype] += param.numel()
+    found = ", ".join(f"{n} {str(dtype).removeprefix('torch.')}" for dtype, n in half.items() if n)
+    if found:
+        warnings.warn(
+            f"the model holds half-precision parameters ({found} values), and the policy {policy} keeps "
+            "float32 master weights: they are upcast to float32 (twice their memory), as the policy asks. "
+            "Load the model in float32 (transformers: from_pretrained(..., dtype=torch.float32)) to keep "
+            "this explicit, or choose a policy that stores half parameters (params=float16 or bfloat16).",
+            HalfParametersWarning,
+            stacklevel=stacklevel,
+        )
+
+
+def unscale_once(scaler: GradScaler, optimizer: Any) -> None:
+    """``scaler.unscale_(optimizer)`` unless this optimizer's gradients were unscaled this step.
+
+    Clipping may be asked for twice in one step (Lightning's manual
+    optimization clips before ``step()``, which unscales again): the second
+    request finds the gradients already unscaled and does nothing.
+    """
+    if not scaler.is_enabled():
+        return
+    if scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY:
+        scaler.unscale_(optimizer)

@@ -1,0 +1,244 @@
+"""mpx as a Lightning precision plugin: ``MPXPrecision`` (``Trainer``) and ``MPXFabricPrecision`` (``Fabric``).
+
+>>> import lightning as L
+>>> from mpx_torch.lightning import MPXPrecision
+>>> trainer = L.Trainer(plugins=[MPXPrecision("mixed_float16")], accelerator="cpu", logger=False)
+>>> trainer.precision, trainer.precision_plugin.scaler.get_scale()
+('16-mixed', 65536.0)
+
+The plugin converts the module with :func:`mpx_torch.prepare`, runs every
+step under :class:`mpx_torch.autocast`, scales the loss with an
+:class:`mpx_torch.GradScaler`, unscales before clipping and skips
+non-finite steps (parameters and optimizer state untouched).  Its scaler
+state is saved in the checkpoint under ``"MPXPrecision"`` (the neutral
+``mpx.scaler/1`` dict); a checkpoint written with Lightning's own
+``MixedPrecision("16-mixed")`` loads too, with its scale.
+
+Two classes because Lightning has two plugin protocols: the ``Trainer``
+calls ``optimizer_step(optimizer, model, closure)`` and runs the closure
+inside it, ``Fabric`` calls ``optimizer_step(optimizer)`` after the user's
+own backward (Lightning itself has a ``MixedPrecision`` in each package).
+This module imports the unified ``lightning`` package (``lightning.pytorch``,
+``lightning.fabric``), not the standalone ``pytorch_lightning``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Generator, Mapping, Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins.precision import Precision as FabricPrecision
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities import GradClipAlgorithmType
+from torch.nn import Module
+from torch.optim import LBFGS, Optimizer
+
+from mpx import MPXError, OpTable, Policy, PolicySpec, ScalerConfig, get_policy
+from mpx_torch._integrations import (
+    HalfParametersWarning,
+    lightning_precision,
+    unscale_once,
+    warn_half_parameters,
+)
+from mpx_torch.autocast import autocast
+from mpx_torch.grad_scaler import GradScaler
+from mpx_torch.prepare import prepare
+
+__all__ = ["HalfParametersWarning", "MPXFabricPrecision", "MPXPrecision"]
+
+# where Lightning's own MixedPrecision saved its torch.amp.GradScaler state (current, and before 2.0)
+_NATIVE_CHECKPOINT_KEYS = ("MixedPrecision", "native_amp_scaling_state")
+
+
+def _handles_unscaling(optimizer: Any) -> bool:
+    # a fused optimizer unscales inside its step (torch's public flag on the optimizer class)
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+class _MPXPlugin:
+    """What both plugins share: the policy, the scaler, module conversion, the forward context, state."""
+
+    precision: str
+    scaler: GradScaler
+
+    def _setup(
+        self,
+        policy: PolicySpec,
+        config: ScalerConfig | Mapping[str, Any] | PolicySpec | None,
+        device_type: str | Sequence[str] | None,
+        op_table: OpTable | None,
+    ) -> None:
+        self.policy: Policy = get_policy(policy)
+        # None: the policy's own config (dynamic for float16 compute, none otherwise)
+        self.scaler = GradScaler(self.policy if config is None else config)
+        self.precision = lightning_precision(self.policy)
+        self._device_type = device_type
+        self._op_table = op_table
+
+    def convert_module(self, module: Module) -> Module:
+        """Prepare ``module`` under the policy, in place (warns when half parameters are upcast)."""
+        warn_half_parameters(module, self.policy, stacklevel=4)
+        return prepare(module, self.policy, device_type=self._device_type, op_table=self._op_table)
+
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        """The policy's :class:`mpx_torch.autocast` (around each training, validation, test and predict step)."""
+        return autocast(self.policy, self._device_type, op_table=self._op_table)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The scaler's neutral ``mpx.scaler/1`` state dict."""
+        return self.scaler.state_dict()
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load a neutral dict, or a ``torch.amp.GradScaler`` one (see :meth:`mpx_torch.GradScaler.load_state_dict`)."""
+        self.scaler.load_state_dict(state_dict)
+
+    def _step_with_scaler(self, optimizer: Any, **kwargs: Any) -> Any:
+        if isinstance(optimizer, LBFGS):
+            raise MPXError(
+                "optimizer: LBFGS re-evaluates its closure inside step(), which loss scaling cannot skip; "
+                "use another optimizer or a policy without loss scaling (e.g. 'mixed_bfloat16')"
+            )
+        output = self.scaler.step(optimizer, **kwargs)
+        self.scaler.update()
+        return output
+
+
+class MPXPrecision(_MPXPlugin, Precision):
+    """A Lightning ``Trainer`` precision plugin that trains under an mpx policy.
+
+    Args:
+        policy: an :class:`mpx.Policy` or anything :func:`mpx.get_policy`
+            reads (``"mixed_float16"``, ``"mixed_bfloat16"``, ``"16-mixed"``...).
+        config: the loss scaler's config (an :class:`mpx.ScalerConfig`, its
+            dict, or a policy); None (the default) means
+            ``ScalerConfig.for_policy(policy)``: dynamic for float16 compute,
+            none (no scaling, no skipping) otherwise.
+        device_type: passed to :func:`mpx_torch.prepare` and
+            :class:`mpx_torch.autocast` (None: every device the inputs may live on).
+        op_table: passed to :func:`mpx_torch.prepare` and :class:`mpx_torch.autocast`.
+
+    Use ``Trainer(plugins=[MPXPrecision(policy)])`` without ``precision=``.
+    ``trainer.precision`` reads as Lightning's string for the policy
+    (``"16-mixed"``, ``"bf16-mixed"``, ``"bf16-true"``, ``"32-true"``...);
+    ``trainer.scaler`` is the :class:`mpx_torch.GradScaler`.
+    ``gradient_clip_val`` clips the unscaled gradients; in manual
+    optimization, ``self.clip_gradients(opt, ...)`` before ``opt.step()``
+    unscales first too.
+
+    Raises:
+        mpx.PolicyError: for a bad policy; mpx.ScalerConfigError for a bad config.
+    """
+
+    def __init__(
+        self,
+        policy: PolicySpec,
+        config: ScalerConfig | Mapping[str, Any] | PolicySpec | None = None,
+        *,
+        device_type: str | Sequence[str] | None = None,
+        op_table: OpTable | None = None,
+    ) -> None:
+        self._setup(policy, config, device_type, op_table)
+
+    @contextlib.contextmanager
+    def forward_context(self) -> Generator[None, None, None]:  # type: ignore[override]
+        """The policy's :class:`mpx_torch.autocast` (around each training, validation, test and predict step)."""
+        with autocast(self.policy, self._device_type, op_table=self._op_table):
+            yield
+
+    def pre_backward(self, tensor: torch.Tensor, module: pl.LightningModule) -> torch.Tensor:  # type: ignore[override]
+        """Scale the loss (the ``on_before_backward`` hooks see the scaled loss, as with ``MixedPrecision``)."""
+        return super().pre_backward(self.scaler.scale(tensor), module)
+
+    def optimizer_step(  # type: ignore[override]
+        self,
+        optimizer: Any,
+        model: pl.LightningModule,
+        closure: Callable[[], Any],
+        **kwargs: Any,
+    ) -> Any:
+        """Run the closure, unscale, clip (``on_before_optimizer_step``), step when finite, update the scaler."""
+        if not self.scaler.is_enabled():
+            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+        closure_result = closure()
+        # automatic optimization whose training_step returned None: no backward, nothing to step
+        skip = closure_result is None and model.automatic_optimization
+        if not skip and not _handles_unscaling(optimizer):
+            unscale_once(self.scaler, optimizer)  # before on_before_optimizer_step and clipping
+        self._after_closure(model, optimizer)
+        if skip:
+            return closure_result
+        return self._step_with_scaler(optimizer, **kwargs)
+
+    def clip_gradients(
+        self,
+        optimizer: Optimizer,
+        clip_val: int | float = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+    ) -> None:
+        """Clip the unscaled gradients (unscaling first when this step has not yet)."""
+        if clip_val > 0:
+            if _handles_unscaling(optimizer):
+                raise MPXError(
+                    f"gradient clipping: {type(optimizer).__qualname__} unscales inside its fused step, so "
+                    "its gradients cannot be unscaled before clipping; use fused=False to clip"
+                )
+            unscale_once(self.scaler, optimizer)
+        super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Read the scale from a checkpoint written with Lightning's ``MixedPrecision`` (torch's scaler dict).
+
+        Lightning loads this plugin's own entry (``"MPXPrecision"``) after
+        this hook; a checkpoint without it but with ``MixedPrecision``'s
+        entry loads that one (see :meth:`mpx_torch.GradScaler.load_state_dict`).
+        """
+        if type(self).__qualname__ in checkpoint:
+            return
+        for key in _NATIVE_CHECKPOINT_KEYS:
+            if checkpoint.get(key):
+                self.load_state_dict(checkpoint[key])
+                return
+
+
+class MPXFabricPrecision(_MPXPlugin, FabricPrecision):
+    """The ``Fabric`` plugin: ``Fabric(plugins=[MPXFabricPrecision(policy)])``.
+
+    Same arguments as :class:`MPXPrecision`.  ``fabric.setup`` prepares the
+    module, its forward runs under the policy, ``fabric.backward`` scales the
+    loss, ``fabric.clip_gradients`` unscales first, ``optimizer.step()`` skips
+    non-finite steps and updates the scaler.  Fabric saves no plugin state by
+    itself: put the plugin in the state you save
+    (``fabric.save(path, {"model": model, "optimizer": opt, "precision": plugin})``).
+    """
+
+    def __init__(
+        self,
+        policy: PolicySpec,
+        config: ScalerConfig | Mapping[str, Any] | PolicySpec | None = None,
+        *,
+        device_type: str | Sequence[str] | None = None,
+        op_table: OpTable | None = None,
+    ) -> None:
+        self._setup(policy, config, device_type, op_table)
+
+    def backward(self, tensor: torch.Tensor, model: Module | None, *args: Any, **kwargs: Any) -> None:
+        """Backward of the scaled loss."""
+        super().backward(self.scaler.scale(tensor), model, *args, **kwargs)
+
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        """Step when the gradients are finite (unscaling first unless clipping did), update the scaler."""
+        if not self.scaler.is_enabled():
+            return super().optimizer_step(optimizer, **kwargs)
+        return self._step_with_scaler(optimizer, **kwargs)
+
+    def unscale_gradients(self, optimizer: Optimizer) -> None:
+        """Unscale before ``fabric.clip_gradients`` (once per step)."""
+        if _handles_unscaling(optimizer):
+            raise MPXError(
+                f"gradient clipping: {type(optimizer).__qualname__} unscales inside its fused step, so its "
+                "gradients cannot be unscaled before clipping; use fused=False to clip"
+            )
+        unscale_once(self.scaler, optimizer)
