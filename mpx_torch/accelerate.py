@@ -1,0 +1,146 @@
+"""mpx in Hugging Face Accelerate: ``attach(accelerator, policy)``.
+
+>>> import torch
+>>> from accelerate import Accelerator
+>>> from mpx_torch.accelerate import attach
+>>> accelerator = Accelerator(cpu=True)
+>>> scaler = attach(accelerator, "mixed_bfloat16")
+>>> model = accelerator.prepare(torch.nn.Linear(4, 4))
+>>> model(torch.randn(2, 4)).dtype, accelerator.scaler is scaler
+(torch.float32, True)
+
+After :func:`attach`, every model passed to ``accelerator.prepare`` is
+prepared with :func:`mpx_torch.prepare` (its forward runs under the policy),
+``accelerator.backward`` scales the loss, ``accelerator.clip_grad_norm_`` and
+``clip_grad_value_`` clip the unscaled gradients, a non-finite step is skipped
+(``accelerator.optimizer_step_was_skipped`` is True and a prepared LR
+scheduler does not step), and ``save_state``/``load_state`` save and restore
+the scale (``scaler.pt``; one written by ``torch.amp.GradScaler`` loads too).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from accelerate import Accelerator
+from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.utils import DistributedType
+
+from mpx import MPXError, OpTable, PolicySpec, ScalerConfig, UnsupportedTypeError, get_policy
+from mpx_torch._integrations import HalfParametersWarning, unscale_once, warn_half_parameters
+from mpx_torch.grad_scaler import GradScaler
+from mpx_torch.prepare import prepare
+
+__all__ = ["HalfParametersWarning", "attach"]
+
+_UNSUPPORTED = (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM, DistributedType.XLA)
+
+
+def _prepared(accelerator: Accelerator, what: str) -> list[Any]:
+    # Accelerate keeps the models and optimizers it prepared in private lists (no public accessor)
+    return list(getattr(accelerator, f"_{what}", ()))
+
+
+def _check(accelerator: Any) -> None:
+    if not isinstance(accelerator, Accelerator):
+        raise UnsupportedTypeError(
+            f"accelerator: expected an accelerate.Accelerator, got {type(accelerator).__name__}"
+        )
+    if isinstance(accelerator.scaler, GradScaler):
+        raise MPXError("accelerator: mpx is already attached to this Accelerator (attach it once)")
+    requested = accelerator.mixed_precision
+    if requested != "no":
+        where = accelerator.device.type
+        silently = (
+            f" (on {where!r}, Accelerate's fp16 makes no scaler and no autocast: it would train in float32)"
+            if requested == "fp16" and where == "cpu"
+            else ""
+        )
+        raise MPXError(
+            f"accelerator: made with mixed_precision={requested!r}{silently}; mpx replaces Accelerate's mixed "
+            "precision, so make the Accelerator with mixed_precision='no' (the default) and give the "
+            "policy to attach(), e.g. attach(accelerator, 'mixed_float16')"
+        )
+    if accelerator.distributed_type in _UNSUPPORTED:
+        raise MPXError(
+            f"accelerator: distributed_type {accelerator.distributed_type.value} runs its own mixed precision "
+            "and loss scaling; attach() supports single-process, DDP and FSDP setups"
+        )
+    if _prepared(accelerator, "models") or _prepared(accelerator, "optimizers"):
+        raise MPXError(
+            "accelerator: attach() must come before accelerator.prepare(...): a model prepared earlier would "
+            "run outside the policy, an optimizer prepared earlier would step unscaled and never skip"
+        )
+
+
+def attach(
+    accelerator: Accelerator,
+    policy: PolicySpec,
+    config: ScalerConfig | Mapping[str, Any] | PolicySpec | None = None,
+    *,
+    device_type: str | Sequence[str] | None = None,
+    op_table: OpTable | None = None,
+) -> GradScaler:
+    """Train under ``policy`` with ``accelerator``; returns the :class:`mpx_torch.GradScaler` it uses.
+
+    Call it right after making the Accelerator, before ``accelerator.prepare``.
+
+    Args:
+        accelerator: an ``accelerate.Accelerator`` made with
+            ``mixed_precision="no"`` (the default): mpx replaces Accelerate's
+            own mixed precision.
+        policy: an :class:`mpx.Policy` or anything :func:`mpx.get_policy` reads
+            (``"mixed_float16"``, ``"mixed_bfloat16"``, ``"fp16"``...).
+        config: the loss scaler's config (an :class:`mpx.ScalerConfig`, its
+            dict, or a policy); None (the default) means
+            ``ScalerConfig.for_policy(policy)``: dynamic for float16 compute,
+            none (no scaling, no skipping) otherwise.
+        device_type, op_table: passed to :func:`mpx_torch.prepare`.
+
+    What changes, on this Accelerator instance only: ``accelerator.scaler``
+    is the mpx scaler; ``accelerator.prepare_model`` first prepares the
+    model under the policy (warning with :class:`HalfParametersWarning
+    <mpx_torch._integrations.HalfParametersWarning>` when half-precision
+    parameters are upcast to float32 master weights); and
+    ``accelerator.unscale_gradients`` unscales through the mpx scaler, once
+    per optimizer per step, so ``clip_grad_norm_`` (whose returned norm is
+    the unscaled one) and ``clip_grad_value_`` see the true gradients.
+
+    Raises:
+        mpx.UnsupportedTypeError: for something other than an Accelerator.
+        mpx.MPXError: for an Accelerator with ``mixed_precision`` other than
+            ``"no"`` (``"fp16"`` on a CPU would otherwise train in float32
+            without a word), a DeepSpeed, Megatron-LM or XLA setup, one to
+            which mpx is already attached, or one that already prepared a model or optimizer.
+        mpx.PolicyError, mpx.ScalerConfigError: for a bad policy or config.
+    """
+    _check(accelerator)
+    resolved = get_policy(policy)
+    scaler = GradScaler(resolved if config is None else config)
+    original_prepare_model = accelerator.prepare_model
+
+    @functools.wraps(original_prepare_model)
+    def prepare_model(model: Any, *args: Any, **kwargs: Any) -> Any:
+        warn_half_parameters(model, resolved, stacklevel=4)
+        prepare(model, resolved, device_type=device_type, op_table=op_table)
+        return original_prepare_model(model, *args, **kwargs)
+
+    def unscale_gradients(optimizer: Any = None) -> None:
+        """Unscale the gradients of ``optimizer`` (or of every prepared one) through the mpx scaler."""
+        if optimizer is None:
+            optimizers = _prepared(accelerator, "optimizers")
+        elif isinstance(optimizer, (tuple, list)):
+            optimizers = list(optimizer)
+        else:
+            optimizers = [optimizer]
+        for opt in optimizers:
+            while isinstance(opt, AcceleratedOptimizer):
+                opt = opt.optimizer
+            unscale_once(scaler, opt)
+
+    accelerator.scaler = scaler
+    accelerator.prepare_model = prepare_model  # type: ignore[method-assign]
+    accelerator.unscale_gradients = unscale_gradients  # type: ignore[method-assign]
+    return scaler
