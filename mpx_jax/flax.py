@@ -4,11 +4,23 @@ Imported on its own (``import mpx_jax.flax``) so that the rest of mpx_jax
 does not need Flax.
 
 Submodules get the policy ``policy.for_module(path, category)`` with their
-dotted path from the root (``"encoder.layers.0.norm"``) and the category
-``"normalization"`` for ``LayerNorm``, ``BatchNorm``, ``RMSNorm``,
-``GroupNorm`` and ``InstanceNorm``, so the mixed presets keep every norm in
-float32 and path overrides (``policy.with_overrides({"head": "float32"})``)
-apply.
+dotted path from the root (``"encoder.layers.0.norm"``) and their category
+from the core's one table (:mod:`mpx.categories`, ``"flax.nnx"`` and
+``"flax.linen"``): ``"normalization"`` for ``LayerNorm``, ``BatchNorm``,
+``RMSNorm``, ``GroupNorm`` and ``InstanceNorm``; Flax has no softmax or loss
+module classes (they are functions), so a module of your own declares those
+with a class (or instance) attribute ``mpx_category = "softmax"`` or
+``"loss"``.  The mixed presets keep all three categories in float32, and path
+overrides (``policy.with_overrides({"head": "float32"})``) apply.
+
+The model's own inputs are not cast (as torch's ``prepare``): code in the
+root module's body, such as an input normalization ``(x - mean) / std``, runs
+on the inputs as you pass them, and the first layer casts to its compute
+dtype, exactly as Flax's own ``dtype="bfloat16"`` does.
+
+NNX training state (an optimizer step that counts applied steps) is in
+:mod:`mpx_jax.nnx`, linen's ``TrainState`` and Flax's ``DynamicScale`` in
+:mod:`mpx_jax.linen`, checkpoints in :mod:`mpx_jax.orbax`.
 """
 
 from __future__ import annotations
@@ -22,21 +34,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 import mpx
+import mpx.categories
 from mpx.policy import PolicySpec
 from mpx_jax.casting import cast_to_output, cast_tree, is_floating_array
 
 __all__ = ["apply_policy", "policy_apply"]
 
-_NNX_NORMS: tuple[type, ...] = tuple(
-    getattr(nnx, name)
-    for name in ("LayerNorm", "BatchNorm", "RMSNorm", "GroupNorm", "InstanceNorm")
-    if hasattr(nnx, name)
-)
-_LINEN_NORMS: tuple[type, ...] = tuple(
-    getattr(nn, name)
-    for name in ("LayerNorm", "BatchNorm", "RMSNorm", "GroupNorm", "InstanceNorm")
-    if hasattr(nn, name)
-)
+_NNX_CATEGORIES = mpx.categories.resolve_categories("flax.nnx", nnx)
+_LINEN_CATEGORIES = mpx.categories.resolve_categories("flax.linen", nn)
 
 
 def _jnp_dtype(name: str) -> Any:
@@ -55,10 +60,19 @@ def apply_policy(module: nnx.Module, policy: PolicySpec) -> nnx.Module:
 
     * a ``dtype`` attribute (``Linear``, ``Conv``, ``Embed``, ``LinearGeneral``,
       ``MultiHeadAttention``, the norms...) is set to the compute dtype, so the
-      module computes (and returns) in it; norms under a mixed preset get float32;
+      module computes (and returns) in it; norms (and your modules marked
+      ``mpx_category = "softmax"`` or ``"loss"``) under a mixed preset get float32;
     * a ``param_dtype`` attribute is set to the parameter dtype, and every
       floating ``nnx.Param`` is cast to it (``BatchStat`` and other variables
       keep their dtype).
+
+    NNX has no method interception: a module computes in its ``dtype``
+    attribute.  A module of your own with an ``mpx_category`` whose policy
+    differs from the root's must therefore have a ``dtype`` attribute (and
+    compute in it); without one this raises ``PolicyError`` rather than
+    ignoring the category.  Stacked layers (``nnx.vmap`` at construction,
+    ``nnx.scan`` over them in ``__call__``) and ``nnx.remat`` work: the
+    stacked module is one module whose parameters have a leading layer axis.
 
     The module's outputs are not cast: use :func:`mpx_jax.cast_to_output` on
     them.  Attention weights in ``nnx.MultiHeadAttention`` follow its dtype
@@ -70,35 +84,45 @@ def apply_policy(module: nnx.Module, policy: PolicySpec) -> nnx.Module:
             measured slow on ``jax.default_backend()`` (see :mod:`mpx.advice`).
 
     Raises:
-        TypeError: when ``module`` is not an ``nnx.Module``.
+        mpx.UnsupportedTypeError: when ``module`` is not an ``nnx.Module``.
+        mpx.PolicyError: for a bad policy, a bad ``mpx_category``, or a module
+            with an ``mpx_category`` that needs its own compute dtype but has no
+            ``dtype`` attribute.
     """
     if not isinstance(module, nnx.Module):
-        raise TypeError(f"module: expected a flax.nnx.Module, got {type(module).__name__}.")
+        raise mpx.UnsupportedTypeError(
+            f"module: expected a flax.nnx.Module, got {type(module).__name__}; for a linen module use "
+            "mpx_jax.flax.policy_apply."
+        )
     pol = mpx.get_policy(policy)
     mpx.warn_if_slow("jax", pol, jax.default_backend(), stacklevel=3)
     modules: dict[tuple[Any, ...], mpx.Policy] = {}
     params: list[tuple[tuple[Any, ...], nnx.Param]] = []
     for keys, node in nnx.iter_graph(module):
         if isinstance(node, nnx.Module):
-            category = "normalization" if isinstance(node, _NNX_NORMS) else None
-            sub = pol.for_module(_path(keys), category)
+            path = _path(keys)
+            category = mpx.category_of(node, _NNX_CATEGORIES)
+            sub = pol.for_module(path, category)
             modules[tuple(keys)] = sub
             attrs = vars(node)
             if "dtype" in attrs:
                 node.dtype = _jnp_dtype(sub.compute_dtype)
+            elif getattr(node, "mpx_category", None) is not None and sub.compute_dtype != pol.compute_dtype:
+                raise mpx.PolicyError(
+                    f"{path or type(node).__name__}: mpx_category {category!r} asks for compute dtype "
+                    f"{sub.compute_dtype}, but this {type(node).__name__} has no dtype attribute for "
+                    "apply_policy to set (NNX modules compute in their dtype attribute); give it one, "
+                    "e.g. self.dtype = None in __init__, and compute in it."
+                )
             if "param_dtype" in attrs:
                 node.param_dtype = _jnp_dtype(sub.param_dtype)
         elif isinstance(node, nnx.Param):
             params.append((tuple(keys), node))
     for keys, var in params:
         owner = max((k for k in modules if keys[: len(k)] == k), key=len)
-        value = var.get_value() if hasattr(var, "get_value") else var.value
+        value = var.get_value()
         if is_floating_array(value):
-            new = value.astype(_jnp_dtype(modules[owner].param_dtype))
-            if hasattr(var, "set_value"):
-                var.set_value(new)
-            else:  # pragma: no cover - older flax
-                var.value = new
+            var.set_value(value.astype(_jnp_dtype(modules[owner].param_dtype)))
     return module
 
 
@@ -115,7 +139,8 @@ def policy_apply(module: nn.Module, policy: PolicySpec) -> Callable[..., Any]:
     root included) is intercepted with ``flax.linen.intercept_methods``: its
     floating arguments are cast to the compute dtype of that submodule's
     policy and, for the duration of the call, its ``dtype`` field is set to
-    it, so ``Dense``/``Conv``/``Embed``/attention compute in the compute dtype
+    it (the root module's own arguments are left as they are, so code in its
+    body, an input normalization for example, runs on the inputs you pass), so ``Dense``/``Conv``/``Embed``/attention compute in the compute dtype
     and the norms in float32 under the mixed presets.  A ``MultiHeadDotProductAttention``
     whose softmax category is kept in float32 gets ``force_fp32_for_softmax``.
 
@@ -129,11 +154,20 @@ def policy_apply(module: nn.Module, policy: PolicySpec) -> Callable[..., Any]:
         mpx.SlowPolicyWarning: once per process, when the compute dtype is
             measured slow on ``jax.default_backend()`` (see :mod:`mpx.advice`).
 
+    A module of your own with a class attribute ``mpx_category = "softmax"``
+    or ``"loss"`` gets that category's policy (float32 under the mixed
+    presets): its arguments are cast to float32 and its ``dtype`` field, if it
+    has one, set to float32.
+
     Raises:
-        TypeError: when ``module`` is not a linen Module.
+        mpx.UnsupportedTypeError: when ``module`` is not a linen Module.
+        mpx.PolicyError: for a bad policy or a bad ``mpx_category``.
     """
     if not isinstance(module, nn.Module):
-        raise TypeError(f"module: expected a flax.linen.Module, got {type(module).__name__}.")
+        raise mpx.UnsupportedTypeError(
+            f"module: expected a flax.linen.Module, got {type(module).__name__}; for an NNX module use "
+            "mpx_jax.flax.apply_policy."
+        )
     pol = mpx.get_policy(policy)
     mpx.warn_if_slow("jax", pol, jax.default_backend(), stacklevel=3)
 
@@ -144,11 +178,12 @@ def policy_apply(module: nn.Module, policy: PolicySpec) -> Callable[..., Any]:
         if name == "setup" or (name.startswith("_") and name != "__call__"):
             return next_fun(*args, **kwargs)
         mod = context.module
-        path = _path(tuple(mod.path))
-        category = "normalization" if isinstance(mod, _LINEN_NORMS) else None
-        sub = pol.for_module(path, category)
+        keys = tuple(mod.path)
+        path = _path(keys)
+        sub = pol.for_module(path, mpx.category_of(mod, _LINEN_CATEGORIES))
         compute = _jnp_dtype(sub.compute_dtype)
-        args, kwargs = cast_tree((args, kwargs), sub.compute_dtype)
+        if keys:  # the root's inputs are the model's inputs: left alone, as torch's prepare does
+            args, kwargs = cast_tree((args, kwargs), sub.compute_dtype)
         changes: dict[str, Any] = {}
         fields = _fields(mod)
         if "dtype" in fields:

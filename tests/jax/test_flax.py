@@ -134,3 +134,190 @@ def test_linen_pure_bfloat16_casts_params_and_errors():
     assert state["intermediates"]["b"][0].dtype == F32
     with pytest.raises(TypeError, match="linen"):
         policy_apply(object(), "float32")
+
+
+# -- the model's own inputs (issue 25, item 0): the root module's arguments are not cast ------------------
+MEAN = jnp.array([0.485, 0.456, 0.406])
+STD = jnp.array([0.229, 0.224, 0.225])
+
+
+class NormalizingNet(nn.Module):
+    """Normalizes its inputs in its own body, as flaxmodels' ResNet18 does, then convolves."""
+
+    dtype: object = F32
+    norm: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        x = (x - MEAN) / STD
+        self.sow("intermediates", "normalized", x)
+        x = nn.Conv(16, (3, 3), dtype=self.dtype)(x)
+        if self.norm:
+            x = nn.BatchNorm(use_running_average=True, dtype=self.dtype)(x)
+        x = nn.relu(x)
+        x = nn.Conv(8, (3, 3), dtype=self.dtype)(x)
+        return jnp.mean(x, axis=(1, 2))
+
+
+IMAGES = jax.random.uniform(jax.random.PRNGKey(3), (4, 16, 16, 3))
+
+
+def test_linen_root_inputs_keep_their_dtype_and_match_flax_native_bfloat16():
+    variables = NormalizingNet().init(jax.random.PRNGKey(0), IMAGES)
+    reference = NormalizingNet().apply(variables, IMAGES)
+    out, state = policy_apply(NormalizingNet(), "mixed_bfloat16")(
+        variables, IMAGES, mutable=["intermediates"]
+    )
+    assert state["intermediates"]["normalized"][0].dtype == F32  # the model's normalization ran in float32
+    native = NormalizingNet(dtype=BF16).apply(variables, IMAGES)
+    assert native.dtype == BF16 and out.dtype == F32
+    # without norms mpx computes what Flax's own dtype="bfloat16" computes, bit for bit
+    assert jnp.array_equal(out, native.astype(F32))
+    assert float(jnp.max(jnp.abs(out - reference))) > 0  # and it is a bfloat16 computation
+
+
+def test_linen_root_inputs_error_no_worse_than_flax_native_with_norms():
+    variables = NormalizingNet(norm=True).init(jax.random.PRNGKey(0), IMAGES)
+    reference = NormalizingNet(norm=True).apply(variables, IMAGES)
+    mpx_out = policy_apply(NormalizingNet(norm=True), "mixed_bfloat16")(variables, IMAGES)
+    native = NormalizingNet(norm=True, dtype=BF16).apply(variables, IMAGES).astype(F32)
+    mpx_err = float(jnp.mean(jnp.abs(mpx_out - reference)))
+    native_err = float(jnp.mean(jnp.abs(native - reference)))
+    assert 0 < mpx_err <= native_err
+
+
+# -- categories from the core's table (issue 22) --------------------------------------------------------
+class LinenSoftmax(nn.Module):
+    mpx_category = "softmax"
+
+    @nn.compact
+    def __call__(self, x):
+        self.sow("intermediates", "input", x)
+        return jax.nn.softmax(x)
+
+
+class LinenWithSoftmax(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return LinenSoftmax()(nn.Dense(4)(x))
+
+
+def test_linen_mpx_category_softmax_runs_in_float32():
+    variables = LinenWithSoftmax().init(jax.random.PRNGKey(0), X)
+    _out, state = policy_apply(LinenWithSoftmax(), "mixed_float16")(variables, X, mutable=["intermediates"])
+    assert state["intermediates"]["LinenSoftmax_0"]["input"][0].dtype == F32
+    _, state = policy_apply(LinenWithSoftmax(), "mixed_float16,keep_fp32=none")(
+        variables, X, mutable=["intermediates"]
+    )
+    assert state["intermediates"]["LinenSoftmax_0"]["input"][0].dtype == F16
+
+
+class NnxLoss(nnx.Module):
+    mpx_category = "loss"
+
+    def __init__(self):
+        self.dtype = None
+
+    def __call__(self, logits, labels):
+        logits = logits.astype(self.dtype or logits.dtype)
+        return jnp.mean(jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, labels[:, None], -1)[:, 0])
+
+
+class NnxLossNoDtype(nnx.Module):
+    mpx_category = "loss"
+
+    def __call__(self, logits):
+        return jnp.mean(logits)
+
+
+class NnxClassifier(nnx.Module):
+    def __init__(self, rngs, loss):
+        self.lin = nnx.Linear(4, 3, rngs=rngs)
+        self.loss = loss
+
+
+def test_nnx_mpx_category_loss_gets_float32_and_needs_a_dtype_attribute():
+    model = apply_policy(NnxClassifier(nnx.Rngs(0), NnxLoss()), "mixed_bfloat16")
+    assert model.lin.dtype == BF16 and model.loss.dtype == F32
+    logits = model.lin(X)
+    assert logits.dtype == BF16 and model.loss(logits, jnp.array([0, 2])).dtype == F32
+    with pytest.raises(mpx.PolicyError, match="loss: mpx_category 'loss'.*no dtype attribute"):
+        apply_policy(NnxClassifier(nnx.Rngs(0), NnxLossNoDtype()), "mixed_bfloat16")
+    # nothing to change (float32 everywhere): no error
+    apply_policy(NnxClassifier(nnx.Rngs(0), NnxLossNoDtype()), "float32")
+    bad = NnxLoss()
+    bad.mpx_category = "attention"
+    with pytest.raises(mpx.PolicyError, match="mpx_category 'attention' is not a category"):
+        apply_policy(NnxClassifier(nnx.Rngs(0), bad), "mixed_bfloat16")
+
+
+def test_wrong_module_types_raise_unsupported_type_error():
+    with pytest.raises(mpx.UnsupportedTypeError, match="flax.nnx.Module.*policy_apply"):
+        apply_policy(nn.Dense(2), "mixed_bfloat16")
+    with pytest.raises(mpx.UnsupportedTypeError, match="flax.linen.Module.*apply_policy"):
+        policy_apply(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), "mixed_bfloat16")
+
+
+# -- nnx.scan over stacked layers and nnx.remat (issue 25, item 1) ----------------------------------------
+def walk(jaxpr, inside=()):
+    """Every equation of ``jaxpr`` and its sub-jaxprs, with the primitives it is nested in."""
+    for eqn in jaxpr.eqns:
+        yield eqn, inside
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else (value,):
+                body = getattr(sub, "jaxpr", sub)
+                if hasattr(body, "eqns"):
+                    yield from walk(body, (*inside, eqn.primitive.name))
+
+
+class Block(nnx.Module):
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(8, 8, rngs=rngs)
+        self.norm = nnx.LayerNorm(8, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.norm(nnx.relu(self.lin(x))).astype(x.dtype)
+
+
+class Stacked(nnx.Module):
+    def __init__(self, rngs, layers=3):
+        @nnx.split_rngs(splits=layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def create(rngs):
+            return Block(rngs)
+
+        self.blocks = create(rngs)
+        self.head = nnx.Linear(8, 2, rngs=rngs)
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        @nnx.remat
+        def forward(x, block):
+            return block(x)
+
+        return self.head(forward(x, self.blocks))
+
+
+def test_nnx_scan_over_layers_with_remat_keeps_the_op_table():
+    model = apply_policy(Stacked(nnx.Rngs(0)), "mixed_bfloat16")
+    assert model.blocks.lin.kernel.shape == (3, 8, 8) and model.blocks.lin.kernel.dtype == F32
+    assert model.blocks.lin.dtype == BF16 and model.blocks.norm.dtype == F32
+    x = jax.random.normal(jax.random.PRNGKey(0), (4, 8))
+
+    def loss(model, x):
+        return jnp.mean(model(x).astype(F32) ** 2)
+
+    graphdef, state = nnx.split(model)
+    jaxpr = jax.make_jaxpr(lambda s, x: jax.grad(lambda s: loss(nnx.merge(graphdef, s), x))(s))(state, x)
+    found = list(walk(jaxpr.jaxpr))
+    in_scan = [(e, ctx) for e, ctx in found if "scan" in ctx]
+    dots = [e for e, ctx in in_scan if e.primitive.name == "dot_general"]
+    assert len(dots) >= 3 and any("remat2" in ctx for _, ctx in in_scan)
+    # forward and backward matmuls of every stacked layer in bfloat16 (inside scan and remat)
+    assert {str(v.aval.dtype) for e in dots for v in e.invars} == {"bfloat16"}
+    # the forward LayerNorm statistics in float32 (the backward's bias reduction is the Linear's, bfloat16)
+    forward = jax.make_jaxpr(lambda s, x: nnx.merge(graphdef, s)(x))(state, x)
+    sums = [e for e, ctx in walk(forward.jaxpr) if "scan" in ctx and e.primitive.name == "reduce_sum"]
+    assert sums and {str(v.aval.dtype) for e in sums for v in e.invars} == {"float32"}
+    grads = jax.grad(lambda s: loss(nnx.merge(graphdef, s), x))(state)
+    assert all(g.dtype == F32 for g in jax.tree_util.tree_leaves(grads))
