@@ -10,7 +10,7 @@ sync, nothing added to the compiled step, safe under buffer donation);
 
 Stuck detection (``ScalerConfig.max_consecutive_skips``): only with the option
 on, :meth:`LossScale.update` adds a ``jax.debug.callback`` that calls
-:func:`mpx.stuck.stuck_message` on the host with the new consecutive count,
+:func:`mpx.check_stuck` (the one check every backend runs) on the host with the new consecutive count,
 the scale and whether the loss was finite (``update(finite, loss_finite=...)``;
 ``with_loss_scaling``'s update takes ``loss=`` for it, the loss or the scaled
 loss).  Warn mode warns from the callback.  Raise mode raises
@@ -21,7 +21,6 @@ text (a traced value cannot raise a Python exception of its own).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -32,27 +31,21 @@ from jax import lax
 
 from mpx.errors import MPXError
 from mpx.history import ScalerHistory
-from mpx.scaling import ScalerConfig, ScalerState
-from mpx.stuck import is_stuck, signal_stuck, stuck_message
+from mpx.scaling import ScalerConfig
+from mpx.stuck import check_stuck
 
 __all__ = ["HistoryRecorder", "stuck_callback"]
 
 
-def _host_check(config: ScalerConfig, scale: Any, consecutive: Any, flag: Any) -> None:
-    count = int(consecutive)
-    if is_stuck(config, count):
-        state = ScalerState(
-            float(np.float32(scale)), consecutive_nonfinite=count, steps=count, skipped_steps=count
-        )
-        signal_stuck(
-            config, stuck_message(config, state, None if int(flag) < 0 else bool(flag)), stacklevel=2
-        )
-
-
 def stuck_callback(config: ScalerConfig, scale: Any, consecutive: Any, loss_finite: Any = None) -> None:
-    """Add the host-side stuck check (a ``jax.debug.callback``) for the state after a step."""
+    """Add the host-side stuck check, :func:`mpx.check_stuck` in a ``jax.debug.callback``, for the state
+    after a step (``loss_finite``: a bool scalar or None, sent as the int flag 1/0/-1)."""
     flag = jnp.int8(-1) if loss_finite is None else jnp.asarray(loss_finite).astype(jnp.int8)
-    jax.debug.callback(functools.partial(_host_check, config), scale, consecutive, flag)
+
+    def host_check(scale: Any, consecutive: Any, flag: Any) -> None:
+        check_stuck(config, scale, consecutive, flag, stacklevel=2)
+
+    jax.debug.callback(host_check, scale, consecutive, flag)
 
 
 class HistoryRecorder:
@@ -86,13 +79,13 @@ class HistoryRecorder:
         self._sent = 0  # rows already given to the callback
 
     def record(self, loss_scale_or_state: Any) -> None:
-        """Record the state after a step: a :class:`~mpx_jax.LossScale`, or an optimizer state holding one."""
-        from mpx_jax.loss_scale import LossScale
+        """Record the state after a step: a :class:`~mpx_jax.LossScale`, or anything
+        :func:`mpx_jax.get_loss_scale` reads (an optax state, an ``nnx.Optimizer`` or its ``opt_state``)."""
+        from mpx_jax.loss_scale import LossScale, plain_loss_scale
         from mpx_jax.opt_state import get_loss_scale
 
         ls = loss_scale_or_state
-        if not isinstance(ls, LossScale):
-            ls = get_loss_scale(ls)
+        ls = plain_loss_scale(ls) if isinstance(ls, LossScale) else get_loss_scale(ls)
         if self._config is not None and ls.config != self._config:
             raise MPXError(
                 "record: this recorder holds another config's history; use one recorder per scaler"
@@ -115,10 +108,7 @@ class HistoryRecorder:
             raise MPXError("history: nothing recorded yet; call recorder.record(opt_state) after each step")
         parts = jax.device_get([*self._chunks, *self._rows])
         rows = np.concatenate([np.asarray(p).reshape(-1, 4) for p in parts])[start:]
-        scales = rows[:, 0].astype(np.int32).view(np.float32).tolist()
-        return ScalerHistory.from_states(
-            self._config, rows[:, 3].tolist(), scales, rows[:, 1].tolist(), rows[:, 2].tolist()
-        )
+        return ScalerHistory.from_rows(self._config, rows, len(rows))
 
 
 @jax.jit

@@ -260,7 +260,7 @@ class LossScale:
         plain = plain_loss_scale(self)
         try:
             return f"LossScale(kind={self.config.kind!r}, scale={float(plain.loss_scale)}, steps={int(plain.steps)})"
-        except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):  # traced values
+        except TypeError:  # traced values (ConcretizationTypeError), or stand-ins such as NNX's VariableRepr
             return f"LossScale(kind={self.config.kind!r}, traced)"
 
 

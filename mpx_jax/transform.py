@@ -73,7 +73,7 @@ Rules for composing it:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -82,7 +82,7 @@ import numpy as np
 import optax
 
 from mpx.accumulation import check_accumulation_steps
-from mpx.errors import MPXError
+from mpx.errors import MPXError, UnsupportedTypeError
 from mpx.scaling import ScalerConfig
 from mpx_jax._compat import INLINE_CALL_PRIMITIVES, ClosedJaxpr, Literal, pcast_to_varying, varying_axes
 from mpx_jax._jaxpr import bind, eqn_context
@@ -245,7 +245,7 @@ def _to_vma(tree: Any, vma: list[frozenset]) -> Any:
 
 def with_loss_scaling(
     tx: optax.GradientTransformation,
-    config: ScalerConfig | None = None,
+    config: ScalerConfig | Mapping[str, Any] | str | None = None,
     *,
     axis_name: Any = None,
     accumulate: int = 1,
@@ -255,9 +255,12 @@ def with_loss_scaling(
     Args:
         tx: the inner optax transformation (extra args such as ``value`` are
             forwarded); not an ``optax.MultiSteps`` (use ``accumulate``).
-        config: the :class:`mpx.ScalerConfig` (default ``mpx.ScalerConfig()``:
-            dynamic, 2**16, growth every 2000 finite optimizer steps, floor 1,
-            ceiling 2**24).
+        config: anything :func:`mpx.as_scaler_config` reads: an
+            :class:`mpx.ScalerConfig`, its ``to_dict()`` dict, a policy (an
+            ``mpx.Policy``, a spec string such as ``"mixed_float16"``, a policy
+            dict: dynamic scaling for float16 compute, none otherwise) or None
+            (default ``mpx.ScalerConfig()``: dynamic, 2**16, growth every 2000
+            finite optimizer steps, floor 1, ceiling 2**24).
         axis_name: a mapped axis name (or tuple of names) of ``pmap``/``shard_map``
             over which the finite flag is reduced, on top of every mapped axis
             bound where ``update`` is traced (:func:`mpx_jax.distributed.mapped_axes`);
@@ -277,9 +280,16 @@ def with_loss_scaling(
         A transformation whose state is a :class:`LossScalingState`.
 
     Raises:
+        UnsupportedTypeError: when ``tx`` is not an optax ``GradientTransformation``.
+        ScalerConfigError, PolicyError: for a bad ``config`` (as :func:`mpx.as_scaler_config`).
         MPXError: for an ``optax.MultiSteps`` ``tx`` or an ``accumulate`` that is
             not an int >= 1.
     """
+    if not isinstance(tx, (optax.GradientTransformation, optax.MultiSteps)):
+        raise UnsupportedTypeError(
+            f"tx: with_loss_scaling wraps an optax GradientTransformation (optax.adamw(...), optax.chain(...)), "
+            f"got {type(tx).__name__}."
+        )
     if isinstance(tx, optax.MultiSteps):
         raise MPXError(
             "tx: with_loss_scaling got an optax.MultiSteps, which would check every micro-batch and move "
@@ -327,7 +337,7 @@ def with_loss_scaling(
         updates: Any, state: LossScalingState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, LossScalingState]:
         if not isinstance(state, LossScalingState):
-            raise ValueError(
+            raise UnsupportedTypeError(
                 f"state: expected the LossScalingState made by this transformation's init, got {type(state).__name__}."
             )
         loss = extra_args.pop("loss", None)  # for stuck detection only (mpx_jax.history); never forwarded
