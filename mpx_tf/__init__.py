@@ -10,11 +10,13 @@
 ...     keras.ops.softmax(keras.ops.ones((2, 3), dtype="float16")).dtype.name
 'float32'
 >>> optimizer = mpx_tf.LossScaleOptimizer(keras.optimizers.Adam())
->>> optimizer.scale
-65536.0
+>>> optimizer.get_scale(), optimizer.state.steps
+(65536.0, 0)
 
 Importing this package selects Keras's TensorFlow backend when ``KERAS_BACKEND``
-is unset; another backend raises ImportError.
+is unset; another backend raises ImportError, and a TensorFlow or Keras older
+than mpx is tested with raises :class:`mpx.FrameworkVersionError` (an ImportError).
+Every Keras/TensorFlow internal mpx_tf uses is reached through :mod:`mpx_tf._compat`.
 """
 
 import os
@@ -29,6 +31,7 @@ if keras.config.backend() != "tensorflow":
         "set KERAS_BACKEND=tensorflow before keras is first imported"
     )
 
+from mpx_tf import _compat  # noqa: F401  (the TensorFlow and Keras version check, first)
 from mpx_tf.autocast import autocast, autocast_op
 from mpx_tf.diagnostics import underflow_stats, watch
 from mpx_tf.distributed import set_reduce_dtype

@@ -55,11 +55,11 @@ from typing import Any, TypeVar
 
 import keras
 import tensorflow as tf
-from keras.src.backend.common import global_state  # the layer name-scope stack
 
 import mpx
 from mpx.errors import MPXError
 from mpx.ops import OpClass
+from mpx_tf import _compat
 from mpx_tf.dtype_policy import choices_of
 
 __all__ = ["KERAS_OPS", "LOSS_FUNCTIONS", "TF_OPS", "autocast", "autocast_op", "wrapped_functions"]
@@ -191,7 +191,7 @@ def autocast(policy: mpx.PolicySpec) -> Iterator[mpx.Policy]:
 
 
 def _innermost_layer() -> Any:
-    names = global_state.get_global_attribute("name_scope_stack")
+    names = _compat.name_scope_stack()
     if names:
         for scope in reversed(names):
             caller = getattr(scope, "caller", None)

@@ -35,6 +35,8 @@ from mpx.diagnostics import (
     nonfinite_report,
 )
 from mpx.dtypes import canonical_dtype, dtype_info
+from mpx.errors import UnsupportedTypeError
+from mpx_tf import _compat
 
 __all__ = ["Watch", "underflow_stats", "watch"]
 
@@ -56,7 +58,7 @@ def _floating(t: Any) -> bool:
 
 def _walk(layer: keras.layers.Layer, prefix: str = "") -> list[tuple[str, keras.layers.Layer]]:
     out = []
-    for sub in getattr(layer, "layers", None) or getattr(layer, "_layers", None) or []:
+    for sub in layer.layers if isinstance(layer, keras.Model) else _compat.child_layers(layer):
         if isinstance(sub, keras.layers.InputLayer):
             continue
         path = f"{prefix}.{sub.name}" if prefix else sub.name
@@ -65,23 +67,24 @@ def _walk(layer: keras.layers.Layer, prefix: str = "") -> list[tuple[str, keras.
     return out
 
 
-def _scale_of(scale: Any) -> float | None:
-    if scale is None:
+def _scale_of(scaler: Any) -> float | None:
+    """The scale of an ``mpx_tf.LossScaleOptimizer`` (its ``get_scale()``) or of a number; None for None."""
+    if scaler is None:
         return None
-    value = getattr(scale, "scale", scale)  # an mpx_tf.LossScaleOptimizer
-    value = value.numpy() if hasattr(value, "numpy") else value
-    return check_scale(value)
+    if hasattr(scaler, "get_scale"):
+        return float(scaler.get_scale())
+    return check_scale(scaler.numpy() if isinstance(scaler, (tf.Tensor, tf.Variable)) else scaler)
 
 
 class Watch:
     """The handle a ``watch`` block returns: :meth:`check_gradients`, then :meth:`report`."""
 
-    def __init__(self, model: keras.layers.Layer, *, scale: Any = None, backward: bool = True,
+    def __init__(self, model: keras.layers.Layer, *, scaler: Any = None, backward: bool = True,
                  log: bool = True) -> None:  # fmt: skip
         if not isinstance(model, keras.layers.Layer):
-            raise DiagnosticsError(f"model: expected a Keras model or layer, got {type(model).__name__}")
+            raise UnsupportedTypeError(f"model: expected a Keras model or layer, got {type(model).__name__}.")
         self.model = model
-        self.scale = scale
+        self.scaler = scaler
         self.backward = backward
         self.log = log
         self._rows: list[tuple[str, str, str, tf.Tensor]] = []
@@ -165,30 +168,32 @@ class Watch:
         """
         rows = list(self._rows)
         if self._traced and not rows:
-            raise DiagnosticsError("model: the watched step ran inside a tf.function, where nothing can be "
-                                   "recorded; run it eagerly (outside tf.function, or compile(run_eagerly=True))")
+            raise DiagnosticsError(
+                "model: the watched step ran inside a tf.function, where nothing can be "
+                "recorded; run it eagerly (outside tf.function, or compile(run_eagerly=True))"
+            )
         host = tf.stack([r[3] for r in rows]).numpy().tolist() if rows else []
         order = {"forward": 0, "backward": 1, "gradient": 2}
         sites = [NonfiniteSite(kind, name, top, int(nan), int(inf), dtype)
                  for (kind, name, dtype, _), (finite, top, nan, inf) in zip(rows, host, strict=True) if not finite]  # fmt: skip
         sites.sort(key=lambda s: order[s.kind])  # stable: keeps the order within each kind
         self._report = nonfinite_report("tf", sites, checked=len({(r[0] == "gradient", r[1]) for r in rows}),
-                                        scale=_scale_of(self.scale), log=self.log)  # fmt: skip
+                                        scale=_scale_of(self.scaler), log=self.log)  # fmt: skip
         return self._report
 
 
-def watch(model: keras.layers.Layer, *, scale: Any = None, backward: bool = True, log: bool = True) -> Watch:
+def watch(model: keras.layers.Layer, *, scaler: Any = None, backward: bool = True, log: bool = True) -> Watch:
     """A context manager that finds where non-finite values first appear in a Keras model's step, per layer.
 
     Inside the block each layer's outputs are checked and (``backward``) the
     gradient flowing into its inputs; pass the step's gradients to
-    :meth:`Watch.check_gradients` to check the variables too.  ``scale`` (an
-    ``mpx_tf.LossScaleOptimizer`` or a number) adds the loss scale to the
-    report.  The step must run eagerly.  Returns a :class:`Watch`; its
+    :meth:`Watch.check_gradients` to check the variables too.  ``scaler`` (an
+    ``mpx_tf.LossScaleOptimizer``, read with its ``get_scale()``, or a number;
+    default None) adds the loss scale to the report, as ``mpx_torch.watch``'s.  The step must run eagerly.  Returns a :class:`Watch`; its
     ``report()`` is an :class:`mpx.diagnostics.NonfiniteReport` whose ``origin``
     is the layer path (``"encoder.dense_1"``).
     """
-    return Watch(model, scale=scale, backward=backward, log=log)
+    return Watch(model, scaler=scaler, backward=backward, log=log)
 
 
 def underflow_stats(grads: Sequence[Any], scale: Any, *, variables: Sequence[Any] | None = None,

@@ -13,8 +13,10 @@
   window's last micro-batch, and a non-finite window is skipped whole.
 
 Keras's TensorFlow optimizer has no public hook for either: both use its
-private ``_all_reduce_sum_gradients``, ``_accumulated_gradients`` and
-``_iterations`` (Keras 3.x), checked when they are first used.
+private members (``_all_reduce_sum_gradients``, ``_accumulated_gradients``,
+``_iterations``, ``_get_variable_index``, ``_clip_gradients``...), reached
+through :mod:`mpx_tf._compat` only, which raises
+:class:`mpx.FrameworkVersionError` when this Keras lacks one.
 """
 
 from __future__ import annotations
@@ -27,21 +29,15 @@ import tensorflow as tf
 
 import mpx
 from mpx.dtypes import canonical_dtype
-from mpx.errors import MPXError
+from mpx.errors import MPXError, UnsupportedTypeError
+from mpx_tf import _compat
+from mpx_tf._compat import optimizer_member as _member
 
 __all__ = ["set_reduce_dtype"]
 
 #: The dtypes a tf.distribute all-reduce accepts for gradients.
 _REDUCE_DTYPES = ("float16", "bfloat16", "float32", "float64")
-
-
-def _check_private(optimizer: keras.optimizers.Optimizer, names: Sequence[str], what: str) -> None:
-    missing = [n for n in names if not hasattr(optimizer, n)]
-    if missing:
-        raise MPXError(
-            f"{what}: this Keras version's optimizer lacks {', '.join(missing)}, which mpx_tf needs; "
-            f"Keras {keras.__version__} is not supported for it"
-        )
+_ALL_REDUCE = "_all_reduce_sum_gradients"
 
 
 def reduce_dtype_of(value: Any) -> str | None:
@@ -81,17 +77,23 @@ def set_reduce_dtype(optimizer: keras.optimizers.Optimizer, reduce_dtype: Any) -
     training step is traced.
 
     Raises:
-        MPXError: for a dtype the all-reduce cannot sum, or a Keras without the hook.
+        MPXError: for a dtype the all-reduce cannot sum.
+        UnsupportedTypeError: when ``optimizer`` is not a Keras optimizer.
+        FrameworkVersionError: for a Keras without the hook.
     """
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         optimizer = optimizer.inner_optimizer
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise UnsupportedTypeError(
+            f"optimizer: expected a keras.optimizers.Optimizer, got {type(optimizer).__name__}."
+        )
     dtype = reduce_dtype_of(reduce_dtype)
-    _check_private(optimizer, ["_all_reduce_sum_gradients"], "reduce_dtype")
-    if "_all_reduce_sum_gradients" in vars(optimizer):  # undo an earlier call
-        del optimizer.__dict__["_all_reduce_sum_gradients"]
+    _compat.check_optimizer(optimizer, [_ALL_REDUCE])
+    if _ALL_REDUCE in vars(optimizer):  # undo an earlier call
+        del optimizer.__dict__[_ALL_REDUCE]
     if dtype is None:
         return
-    native = optimizer._all_reduce_sum_gradients
+    native = _member(optimizer, _ALL_REDUCE)
 
     def all_reduce_sum_in(grads_and_vars: Any) -> list[Any]:
         ctx = tf.distribute.get_replica_context()
@@ -103,16 +105,18 @@ def set_reduce_dtype(optimizer: keras.optimizers.Optimizer, reduce_dtype: Any) -
         reduced = native(cast)
         return [(None if g is None else tf.cast(g, d), v) for (g, v), d in zip(reduced, dtypes, strict=True)]
 
-    optimizer.__dict__["_all_reduce_sum_gradients"] = all_reduce_sum_in  # an instance hook, untracked
+    optimizer.__dict__[_ALL_REDUCE] = all_reduce_sum_in  # an instance hook, untracked
 
 
 class Window:
     """The accumulation window of an inner optimizer with ``gradient_accumulation_steps=k`` (k >= 2)."""
 
     def __init__(self, inner: keras.optimizers.Optimizer) -> None:
-        _check_private(inner, ["_iterations", "_accumulated_gradients", "_get_variable_index"], "gradient_accumulation_steps")
+        _compat.check_optimizer(inner)
         self.inner = inner
-        self.steps = mpx.check_accumulation_steps(inner.gradient_accumulation_steps, "gradient_accumulation_steps")
+        self.steps = mpx.check_accumulation_steps(
+            inner.gradient_accumulation_steps, "gradient_accumulation_steps"
+        )
         for arg, default in (("use_ema", False), ("loss_scale_factor", None)):
             if getattr(inner, arg, default) != default:
                 raise MPXError(
@@ -122,17 +126,15 @@ class Window:
 
     def is_last(self) -> Any:
         """A bool tensor: the coming micro-batch ends the window (read from the inner ``_iterations``)."""
-        return tf.equal((self.inner._iterations + 1) % self.steps, 0)
+        return tf.equal((_member(self.inner, "_iterations") + 1) % self.steps, 0)
 
     def finite(self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None) -> Any:
         """A bool tensor on one replica: the window's accumulated gradients plus ``grads`` all finite."""
-        inner = self.inner
-        variables = trainable_variables if trainable_variables is not None else inner._trainable_variables
         flags = []
-        for g, v in zip(grads, variables, strict=True):
+        for g, v in zip(grads, self._variables(trainable_variables), strict=True):
             if g is None:
                 continue
-            acc = inner._accumulated_gradients[inner._get_variable_index(v)]
+            acc = self._accumulator(v)
             total = tf.convert_to_tensor(g.values if isinstance(g, tf.IndexedSlices) else g)
             if not isinstance(g, tf.IndexedSlices):
                 total = total + tf.cast(acc.value, total.dtype)
@@ -150,8 +152,7 @@ class Window:
         applied optimizer steps only, as without accumulation.
         """
         self.reset()
-        self.inner._iterations.assign_sub(self.steps - 1)
-
+        _member(self.inner, "_iterations").assign_sub(self.steps - 1)
 
     # -- the window under a strategy's merge_call (cross-replica context) ---------------------
     # Keras's own accumulation runs ops.cond(is_update_step, update, accumulate) in replica
@@ -160,13 +161,14 @@ class Window:
     # chooses skip or apply, and each branch does what the inner optimizer's would.
     def accumulate(self, distribution: Any, grads: Any, trainable_variables: Any) -> None:
         """A micro-batch that does not end the window: each replica adds its gradients to its accumulators."""
-        inner = self.inner
         for g, v in zip(grads, self._variables(trainable_variables), strict=True):
             if g is None:
                 continue
-            acc = inner._accumulated_gradients[inner._get_variable_index(v)]
-            distribution.extended.update(acc.value, lambda a, g: a.assign_add(tf.cast(g, a.dtype)), args=(g,), group=False)
-        inner._iterations.assign_add(1)
+            acc = self._accumulator(v)
+            distribution.extended.update(
+                acc.value, lambda a, g: a.assign_add(tf.cast(g, a.dtype)), args=(g,), group=False
+            )
+        _member(self.inner, "_iterations").assign_add(1)
 
     def apply(self, distribution: Any, grads: Any, trainable_variables: Any) -> None:
         """The window's last micro-batch, applied: Keras's update branch of ``_backend_apply_gradients``.
@@ -181,29 +183,35 @@ class Window:
         def replica_update(grads: Any) -> None:
             pairs = [(g, v) for g, v in zip(grads, variables, strict=True) if g is not None]
             total = [
-                (tf.convert_to_tensor(g) + tf.cast(inner._accumulated_gradients[inner._get_variable_index(v)].value, g.dtype))
-                / self.steps
+                (tf.convert_to_tensor(g) + tf.cast(self._accumulator(v).value, g.dtype)) / self.steps
                 for g, v in pairs
             ]
             used = [v for _, v in pairs]
-            total = inner._clip_gradients(total)
-            inner._apply_weight_decay(used)
-            inner._backend_update_step(total, used, inner.learning_rate)
+            total = _member(inner, "_clip_gradients")(total)
+            _member(inner, "_apply_weight_decay")(used)
+            _member(inner, "_backend_update_step")(total, used, inner.learning_rate)
 
         distribution.extended.call_for_each_replica(replica_update, args=(grads,))
         self.reset()
         for v in variables:
             if v.constraint is not None:
                 v.assign(v.constraint(v))
-        inner._iterations.assign_add(1)
+        _member(inner, "_iterations").assign_add(1)
 
     def reset(self) -> None:
-        for acc in self.inner._accumulated_gradients:
+        for acc in _member(self.inner, "_accumulated_gradients"):
             if acc is not None:
                 acc.assign(tf.zeros(acc.shape, acc.dtype))
 
+    def _accumulator(self, variable: Any) -> Any:
+        """The inner optimizer's accumulator of ``variable``'s gradients."""
+        index = _member(self.inner, "_get_variable_index")(variable)
+        return _member(self.inner, "_accumulated_gradients")[index]
+
     def _variables(self, trainable_variables: Any) -> list[Any]:
-        return list(trainable_variables if trainable_variables is not None else self.inner._trainable_variables)
+        if trainable_variables is not None:
+            return list(trainable_variables)
+        return list(_member(self.inner, "_trainable_variables"))
 
 
 def window_step(

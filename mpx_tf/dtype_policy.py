@@ -34,10 +34,10 @@ from typing import Any, NamedTuple
 
 import keras
 import tensorflow as tf
-from keras.src.backend.common import global_state  # the layer name-scope stack
 
 import mpx
 from mpx.errors import PolicyError
+from mpx_tf import _compat
 
 __all__ = ["LayerChoices", "NAME_PREFIX", "choices_of", "mpx_name", "parse_name"]
 
@@ -115,7 +115,7 @@ def parse_name(name: str) -> LayerChoices:
 
 def choices_of(dtype_policy: Any) -> LayerChoices | None:
     """The mpx choices of a Keras dtype policy, or None for a policy without an mpx name."""
-    name = getattr(dtype_policy, "_name", None)
+    name = getattr(dtype_policy, "name", None)  # None: a layer without a dtype policy
     if isinstance(name, str) and name.startswith(NAME_PREFIX):
         return parse_name(name)
     return None
@@ -128,20 +128,16 @@ def cast_output(x: Any, dtype: str) -> Any:
             return keras.ops.cast(x, dtype)
         return x
     if isinstance(x, (tf.Tensor, tf.Variable)) and x.dtype.is_floating and x.dtype.name != dtype:
-        mask = getattr(x, "_keras_mask", None)
+        mask = _compat.get_keras_mask(x)
         y = tf.cast(x, dtype)
         if mask is not None:
-            y._keras_mask = mask
+            _compat.set_keras_mask(y, mask)
         return y
     return x
 
 
-def _name_scopes() -> list[Any]:
-    return global_state.get_global_attribute("name_scope_stack") or []
-
-
 def _install() -> None:
-    original_parse = keras.DTypePolicy._parse_name
+    original_parse = _compat.dtype_policy_parse_name()
     if not getattr(original_parse, "_mpx_tf", False):
 
         def _parse_name(self: keras.DTypePolicy, name: Any) -> tuple[str, str]:
@@ -151,7 +147,7 @@ def _install() -> None:
             return original_parse(self, name)
 
         _parse_name._mpx_tf = True  # type: ignore[attr-defined]
-        keras.DTypePolicy._parse_name = _parse_name  # type: ignore[method-assign]
+        _compat.set_dtype_policy_parse_name(_parse_name)
 
     original_call = keras.layers.Layer.__call__
     if getattr(original_call, "_mpx_tf", False):
@@ -159,13 +155,13 @@ def _install() -> None:
 
     @functools.wraps(original_call)
     def __call__(self: keras.layers.Layer, *args: Any, **kwargs: Any) -> Any:
-        choices = choices_of(getattr(self, "_dtype_policy", None))
+        choices = choices_of(self.dtype_policy)
         if choices is None:
             return original_call(self, *args, **kwargs)
         if choices.autocast is not None and self.autocast is not choices.autocast:
             self.autocast = choices.autocast
         dtype = choices.output
-        if dtype is None and choices.model_output is not None and _name_scopes():
+        if dtype is None and choices.model_output is not None and _compat.name_scope_stack():
             dtype = choices.model_output  # inside the model (loaded: its own dtype was not saved)
         outputs = original_call(self, *args, **kwargs)
         if dtype is not None and "_mpx_original_call" not in self.__dict__:

@@ -11,7 +11,7 @@ does both for ``model.fit``.  Off (the default), nothing is added to the step.
 
 Stuck detection (``ScalerConfig.max_consecutive_skips``): :meth:`scale_loss`
 records whether the loss was finite in a small variable, and each step calls
-:func:`mpx.stuck.stuck_message`: directly when running eagerly (raising
+the core's :func:`mpx.check_stuck`: directly when running eagerly (raising
 :class:`mpx.ScalerStuckError` itself), through a ``tf.py_function`` inside a
 ``tf.function`` (warn mode warns; raise mode raises there, and TensorFlow
 re-raises it as ``tf.errors.InvalidArgumentError`` whose message holds the
@@ -24,15 +24,15 @@ from pathlib import Path
 from typing import Any
 
 import keras
-import numpy as np
 import tensorflow as tf
 
-from mpx.errors import MPXError
+from mpx.errors import MPXError, UnsupportedTypeError
 from mpx.history import ScalerHistory
-from mpx.scaling import COUNTER_MAX, ScalerConfig, ScalerState
-from mpx.stuck import is_stuck, signal_stuck, stuck_message
+from mpx.scaling import COUNTER_MAX, ScalerConfig
+from mpx.stuck import check_stuck
+from mpx_tf import _compat
 
-__all__ = ["HistoryBuffer", "LossFlag", "ScalerHistoryCallback", "check_stuck"]
+__all__ = ["HistoryBuffer", "LossFlag", "ScalerHistoryCallback", "stuck_check"]
 
 
 class HistoryBuffer:
@@ -55,17 +55,8 @@ class HistoryBuffer:
         self.recorded.assign_add(1)
 
     def read(self, config: ScalerConfig) -> ScalerHistory:
-        """The recorded steps, oldest first (one read of the buffer)."""
-        rows, recorded = self.rows.numpy(), int(self.recorded.numpy())
-        n = min(recorded, self.capacity)
-        if recorded > self.capacity:
-            start = recorded % self.capacity
-            rows = np.concatenate([rows[start:], rows[:start]])
-        rows = rows[:n]
-        scales = rows[:, 0].astype(np.int32).view(np.float32).tolist()
-        return ScalerHistory.from_states(
-            config, rows[:, 3].tolist(), scales, rows[:, 1].tolist(), rows[:, 2].tolist()
-        )
+        """The recorded steps, oldest first (one read of the buffer; :meth:`mpx.ScalerHistory.from_rows`)."""
+        return ScalerHistory.from_rows(config, self.rows.numpy(), int(self.recorded.numpy()))
 
 
 class LossFlag:
@@ -86,24 +77,14 @@ class LossFlag:
         return value
 
 
-def _host_check(config: ScalerConfig, scale: Any, consecutive: Any, flag: Any) -> None:
-    count = int(consecutive)
-    if is_stuck(config, count):
-        state = ScalerState(
-            float(np.float32(scale)), consecutive_nonfinite=count, steps=count, skipped_steps=count
-        )
-        loss_finite = None if int(flag) < 0 else bool(int(flag))
-        signal_stuck(config, stuck_message(config, state, loss_finite), stacklevel=5)
-
-
-def check_stuck(config: ScalerConfig, scale: Any, consecutive: Any, flag: Any) -> None:
-    """Stuck detection after a step: in Python when eager, else through a ``tf.py_function``."""
+def stuck_check(config: ScalerConfig, scale: Any, consecutive: Any, flag: Any) -> None:
+    """:func:`mpx.check_stuck` after a step (tensors): in Python when eager, else through a ``tf.py_function``."""
     if tf.executing_eagerly():
-        _host_check(config, scale.numpy(), consecutive.numpy(), flag.numpy())
+        check_stuck(config, scale.numpy(), consecutive.numpy(), flag.numpy(), stacklevel=5)
         return
 
     def body(s: Any, c: Any, f: Any) -> Any:
-        _host_check(config, s.numpy(), c.numpy(), f.numpy())
+        check_stuck(config, s.numpy(), c.numpy(), f.numpy(), stacklevel=5)
         return tf.constant(0, tf.int32)
 
     tf.py_function(body, [scale, consecutive, flag], tf.int32)
@@ -111,11 +92,9 @@ def check_stuck(config: ScalerConfig, scale: Any, consecutive: Any, flag: Any) -
 
 def _scalar(tag: str, value: float, step: int) -> None:
     """A TensorBoard scalar: what ``tf.summary.scalar`` writes, without needing the tensorboard package."""
-    from tensorflow.core.framework import summary_pb2
-
-    meta = summary_pb2.SummaryMetadata(
-        plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars"),
-        data_class=summary_pb2.DATA_CLASS_SCALAR,
+    pb = _compat.summary_pb2
+    meta = pb.SummaryMetadata(
+        plugin_data=pb.SummaryMetadata.PluginData(plugin_name="scalars"), data_class=pb.DATA_CLASS_SCALAR
     )
     tf.summary.write(tag, tf.constant(value, tf.float32), step=step, metadata=meta)
 
@@ -154,9 +133,9 @@ class ScalerHistoryCallback(keras.callbacks.Callback):
 
         opt = getattr(self.model, "optimizer", None)
         if not isinstance(opt, LossScaleOptimizer):
-            raise MPXError(
+            raise UnsupportedTypeError(
                 "ScalerHistoryCallback: the model's optimizer must be an mpx_tf.LossScaleOptimizer, "
-                f"got {type(opt).__name__}"
+                f"got {type(opt).__name__}."
             )
         return opt
 
@@ -187,7 +166,7 @@ class ScalerHistoryCallback(keras.callbacks.Callback):
                         _scalar(f"{self.prefix}/{name}", int(getattr(chunk, name)[i]), step)
             self._writer.flush()
         if logs is not None:
-            logs["loss_scale"] = opt.scale
+            logs["loss_scale"] = opt.get_scale()
             logs["skipped_steps"] = sum(chunk.skipped)
 
     def on_train_end(self, logs: Any = None) -> None:

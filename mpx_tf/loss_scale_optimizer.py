@@ -8,9 +8,9 @@ gradients, ``apply_gradients``, ``inner_optimizer``, ``variables``,
 - the state lives in variables (a float32 ``dynamic_scale``, int64 counters),
   so a ``tf.function`` step reads the current scale and never retraces;
 - every scale product is torch's, ``float32(float64(scale) * float64(factor))``
-  (:func:`mpx.scaling.scale_product`): one float64 product, rounded once to
-  float32 (integer bit operations for the subnormal range, where TensorFlow's
-  kernels flush to zero; the scale is floored at 2**-126 anyway);
+  (:func:`mpx.scaling.scale_product`), computed exactly by the core's
+  :func:`mpx.scaling.product_bits` on the scale's int32 bits (TF ops, no
+  float64, immune to TensorFlow's flush-to-zero); the scale is floored at 2**-126;
 - the finiteness test is on the unscaled gradients, so a gradient that
   overflows only once divided by a scale below 1 skips the step (as mpx_jax);
 - a skipped step runs no update at all (``tf.cond``, as Keras's own
@@ -38,27 +38,15 @@ import numpy as np
 import tensorflow as tf
 
 import mpx
-from mpx.errors import MPXError, ScalerConfigError
+from mpx.errors import MPXError, ScalerConfigError, UnsupportedTypeError
+from mpx.scaling import INF_BITS, FactorSplit, product_bits
+from mpx_tf import _compat
 from mpx_tf.distributed import Window, reduce_dtype_of, set_reduce_dtype, window_step
-from mpx_tf.history import HistoryBuffer, LossFlag, check_stuck
+from mpx_tf.history import HistoryBuffer, LossFlag, stuck_check
 
 __all__ = ["LossScaleOptimizer"]
 
 _HALF = (tf.float16, tf.bfloat16)
-_SMALLEST_NORMAL = 2.0**-126  # float32
-_SUBNORMAL_QUANTUM = 2.0**-149  # float32's smallest subnormal
-
-
-def _as_config(config: Any) -> mpx.ScalerConfig:
-    if config is None:
-        return mpx.ScalerConfig()
-    if isinstance(config, mpx.ScalerConfig):
-        return config
-    if isinstance(config, Mapping):
-        return mpx.ScalerConfig.from_dict(config)
-    raise ScalerConfigError(
-        f"config: expected an mpx.ScalerConfig, its to_dict() dict or None, got {type(config).__name__}"
-    )
 
 
 #: Keras's base-optimizer arguments its LossScaleOptimizer accepts at their defaults only (older
@@ -103,7 +91,8 @@ def _keras_arguments(
     if kwargs:
         raise MPXError(
             f"LossScaleOptimizer: unknown arguments {', '.join(repr(k) for k in kwargs)}; allowed: "
-            "inner_optimizer, config (an mpx.ScalerConfig), name, and Keras's initial_scale, "
+            "inner_optimizer, config (an mpx.ScalerConfig, its dict, or a policy), name, reduce_dtype, and "
+            "Keras's initial_scale, "
             "dynamic_growth_steps, dynamic=True"
         )
     changes: dict[str, Any] = {}
@@ -120,30 +109,78 @@ def _keras_arguments(
     return mpx.ScalerConfig.from_dict({**cfg.to_dict(), **changes})
 
 
-# -- exact float32 arithmetic, immune to flush-to-zero -------------------------------
-def _exact_f64(x: tf.Tensor) -> tf.Tensor:
-    """A non-negative finite float32 as the float64 of the same value, read from its bits."""
-    bits = tf.bitcast(x, tf.int32)
-    exponent = tf.bitwise.right_shift(bits, 23)
-    mantissa = tf.bitwise.bitwise_and(bits, 0x7FFFFF)
-    normal = exponent > 0
-    significand = tf.where(normal, mantissa + 0x800000, mantissa)
-    lsb_exponent = tf.where(normal, exponent, 1) - 150  # value = significand * 2**lsb_exponent
-    pow2 = tf.bitcast(tf.bitwise.left_shift(tf.cast(lsb_exponent + 1023, tf.int64), 52), tf.float64)
-    return tf.cast(significand, tf.float64) * pow2
+# -- the scale products: the core's integer arithmetic on the float32 bits ---------------------
+class _Int32:
+    """An int32 (or bool) tensor with the Python operators :func:`mpx.scaling.product_bits` uses.
+
+    TensorFlow tensors have no ``>>``/``<<`` and no bitwise ``&``/``|`` on ints;
+    this maps them onto ``tf.bitwise`` (and ``&``/``|`` of bools onto logical ops),
+    so the core's one implementation of the exact product runs on TF ops.
+    """
+
+    __slots__ = ("t",)
+
+    def __init__(self, t: Any) -> None:
+        self.t = t
+
+    def _binary(self, other: Any, op: Any, reverse: bool = False) -> _Int32:
+        a, b = self.t, other.t if isinstance(other, _Int32) else other
+        return _Int32(op(b, a) if reverse else op(a, b))
+
+    def _logic(self, other: Any, bitwise: Any, logical: Any) -> _Int32:
+        return self._binary(other, logical if self.t.dtype == tf.bool else bitwise)
+
+    def __rshift__(self, n: Any) -> _Int32:
+        return self._binary(n, tf.bitwise.right_shift)
+
+    def __lshift__(self, n: Any) -> _Int32:
+        return self._binary(n, tf.bitwise.left_shift)
+
+    def __and__(self, other: Any) -> _Int32:
+        return self._logic(other, tf.bitwise.bitwise_and, tf.logical_and)
+
+    def __or__(self, other: Any) -> _Int32:
+        return self._logic(other, tf.bitwise.bitwise_or, tf.logical_or)
+
+    def __add__(self, other: Any) -> _Int32:
+        return self._binary(other, tf.add)
+
+    __radd__ = __add__
+
+    def __sub__(self, other: Any) -> _Int32:
+        return self._binary(other, tf.subtract)
+
+    def __mul__(self, other: Any) -> _Int32:
+        return self._binary(other, tf.multiply)
+
+    __rmul__ = __mul__
+
+    def __lt__(self, other: Any) -> _Int32:
+        return self._binary(other, tf.less)
+
+    def __gt__(self, other: Any) -> _Int32:
+        return self._binary(other, tf.greater)
+
+    def __eq__(self, other: Any) -> _Int32:  # type: ignore[override]
+        return self._binary(other, tf.equal)
+
+    __hash__ = None  # type: ignore[assignment]
 
 
-def _round_f32(p: tf.Tensor) -> tf.Tensor:
-    """A non-negative float64 rounded to the nearest float32 (ties to even), subnormals included."""
-    normal = tf.cast(p, tf.float32)  # correctly rounded wherever the result is normal (or inf)
-    ticks = tf.math.rint(tf.minimum(p, _SMALLEST_NORMAL) / _SUBNORMAL_QUANTUM)  # rint: ties to even
-    subnormal = tf.bitcast(tf.cast(ticks, tf.int32), tf.float32)
-    return tf.where(p < _SMALLEST_NORMAL, subnormal, normal)
+def _where(cond: Any, a: Any, b: Any) -> _Int32:
+    value = [x.t if isinstance(x, _Int32) else tf.constant(x, tf.int32) for x in (a, b)]
+    return _Int32(tf.where(cond.t, *value))
 
 
-def _f32_constant(value: float) -> tf.Tensor:
-    # From numpy, not through a TF kernel, so a subnormal keeps its bits.
-    return tf.constant(np.float32(value), dtype=tf.float32)
+def _product_bits(scale_bits: tf.Tensor, split: FactorSplit) -> tf.Tensor:
+    """The int32 bits of ``float32(float64(scale) * factor)`` (:func:`mpx.scaling.product_bits`):
+    0 below 2**-126, +inf's bits on overflow; ``scale_bits`` the int32 bits of a normal float32."""
+    return product_bits(_Int32(scale_bits), split, _where).t
+
+
+def _bits(value: float) -> int:
+    """The int32 bit pattern of a non-negative float32 value."""
+    return int(np.float32(value).view(np.int32))
 
 
 @keras.saving.register_keras_serializable(package="mpx_tf")
@@ -152,11 +189,17 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     Args:
         inner_optimizer: the ``keras.optimizers.Optimizer`` that applies the unscaled gradients.
-        config: an :class:`mpx.ScalerConfig` (or its ``to_dict()`` dict); None for
-            the default dynamic config (initial scale 2**16, growth every 2000
-            finite steps, bounds [1, 2**24]).  ``mpx.ScalerConfig.for_policy``
-            gives ``none`` for bfloat16 policies: the optimizer then only
-            counts steps and passes the gradients through.
+        config: what :func:`mpx.as_scaler_config` reads, as every mpx scaler: an
+            :class:`mpx.ScalerConfig` or its ``to_dict()`` dict; a policy (an
+            :class:`mpx.Policy`, a spec string such as ``"mixed_float16"``, or a
+            policy dict), giving ``ScalerConfig.for_policy`` (dynamic for float16
+            compute; ``none`` for bfloat16: the optimizer then only counts steps
+            and passes the gradients through); None (default) for the default
+            dynamic config (initial scale 2**16, growth every 2000 finite steps,
+            bounds [1, 2**24]).
+        initial_scale, dynamic_growth_steps, dynamic: keyword only, Keras's
+            arguments: they set ``init_scale`` and ``growth_interval`` of a dynamic
+            config (default None: the config's); ``dynamic`` must be True.
         name: the optimizer's name.
         reduce_dtype: keyword only; the dtype of the cross-replica gradient sum
             under ``tf.distribute`` (a dtype, or an :class:`mpx.Policy` / spec
@@ -180,23 +223,33 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         grads = tape.gradient(scaled, model.trainable_variables)
         optimizer.apply(grads, model.trainable_variables)  # unscales, checks, maybe skips
 
+    mpx's scaler surface, the same as every mpx backend's: :meth:`get_scale`
+    (the scale as a Python float), :meth:`scale` (multiplies a loss; Keras's
+    :meth:`scale_loss` is the same), :attr:`state` (an :class:`mpx.ScalerState`:
+    read the counters there), :attr:`config`, :meth:`state_dict` /
+    :meth:`load_state_dict`, :meth:`record_history` / :meth:`history`.
+
     The state is five variables, saved by ``model.save`` and ``tf.train.Checkpoint``:
     ``dynamic_scale`` (float32, the scale), ``step_counter`` (int64, mpx's
     ``growth_tracker``; Keras's name), ``consecutive_nonfinite``, ``total_steps``
-    (mpx's ``steps``) and ``skipped_steps`` (int64).  ``iterations`` is the inner
+    (mpx's ``steps``) and ``skipped_steps`` (int64); in a traced step read
+    ``dynamic_scale``, on the host :attr:`state`.  ``iterations`` is the inner
     optimizer's: skipped steps do not count.  Build the optimizer before
     tracing a custom step (``optimizer.build(model.trainable_variables)``), or
     ``tf.function`` traces the first step twice to create the inner variables.
 
     Raises:
-        ScalerConfigError: for an invalid config.
-        MPXError: when ``inner_optimizer`` is not a Keras optimizer, or is itself loss scaling.
+        ScalerConfigError: for an invalid config (or a config of another type).
+        PolicyError: for a string or policy dict that is not a policy spec.
+        UnsupportedTypeError: when ``inner_optimizer`` is not a Keras optimizer, or is itself loss scaling.
+        MPXError: for Keras arguments mpx cannot honour.
+        FrameworkVersionError: when this Keras lacks an optimizer internal mpx_tf uses.
     """
 
     def __init__(
         self,
         inner_optimizer: keras.optimizers.Optimizer,
-        config: mpx.ScalerConfig | Mapping[str, Any] | None = None,
+        config: mpx.ScalerConfig | mpx.PolicySpec | Mapping[str, Any] | None = None,
         name: str | None = None,
         *,
         initial_scale: float | None = None,
@@ -206,15 +259,18 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         **kwargs: Any,
     ) -> None:
         reduce = reduce_dtype_of(reduce_dtype)
-        cfg = _keras_arguments(_as_config(config), initial_scale, dynamic_growth_steps, dynamic, kwargs)
+        cfg = _keras_arguments(
+            mpx.as_scaler_config(config), initial_scale, dynamic_growth_steps, dynamic, kwargs
+        )
         if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
-            raise MPXError(
-                f"inner_optimizer: expected a keras.optimizers.Optimizer, got {type(inner_optimizer).__name__}"
+            raise UnsupportedTypeError(
+                f"inner_optimizer: expected a keras.optimizers.Optimizer, got {type(inner_optimizer).__name__}."
             )
         if isinstance(inner_optimizer, keras.optimizers.LossScaleOptimizer):
-            raise MPXError(
-                "inner_optimizer: it is already a LossScaleOptimizer; wrap the plain optimizer once"
+            raise UnsupportedTypeError(
+                "inner_optimizer: it is already a LossScaleOptimizer; wrap the plain optimizer once."
             )
+        _compat.check_optimizer(inner_optimizer)
         super().__init__(
             inner_optimizer,
             initial_scale=cfg.first_scale,
@@ -247,15 +303,25 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self.total_steps = state("steps", "int64")
         self.skipped_steps = state("skipped_steps", "int64")
         self._assign_state(mpx.scaler_init(cfg))
-        self._mpx_extras = _Extras(cfg)  # history and stuck detection (mpx_tf.history); a plain, untracked object
+        # history and stuck detection (mpx_tf.history): a plain, untracked object
+        self._mpx_extras = _Extras(cfg)
 
     # -- Keras's optimizer API ------------------------------------------------------
     def build(self, var_list: Sequence[Any]) -> None:
         self.inner_optimizer.build(var_list)
         keras.optimizers.Optimizer.build(self, var_list)  # not Keras's LSO.build: state exists already
 
+    def scale(self, loss: Any) -> Any:
+        """``loss`` times the current scale (a half-precision loss is first cast to float32).
+
+        mpx's name, the same in every backend; :meth:`scale_loss` is Keras's name for it.
+        With kind ``none`` the loss comes back unchanged.
+        """
+        return self.scale_loss(loss)
+
     def scale_loss(self, loss: Any) -> Any:
-        """``loss`` times the current scale (a half-precision loss is first cast to float32)."""
+        """``loss`` times the current scale (a half-precision loss is first cast to float32): Keras's name
+        for :meth:`scale`, which ``model.fit``'s train step calls."""
         if self._config.kind == "none":
             return loss
         loss = tf.convert_to_tensor(loss)
@@ -281,7 +347,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             self.built = True
         if tf.distribute.in_cross_replica_context():
             raise ValueError("apply() must be called in a replica context.")
-        if tf.__internal__.distribute.strategy_supports_no_merge_call():
+        if _compat.strategy_supports_no_merge_call():
             self._replica_apply(grads, trainable_variables)
         else:
             tf.distribute.get_replica_context().merge_call(
@@ -310,11 +376,13 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         overflows when divided by a scale below 1 is caught too.
         """
         if self._config.kind != "none":  # a none scale is exactly 1.0: nothing to divide
-            variables = trainable_variables if trainable_variables is not None else self._trainable_variables
+            if trainable_variables is None:
+                trainable_variables = _compat.optimizer_member(self, "_trainable_variables")
+            overwritten = _compat.optimizer_member(self, "_overwrite_variable_with_gradient")
             scale = self.dynamic_scale.value
             grads = [
-                g if g is None or self._overwrite_variable_with_gradient(v) else _divide(g, scale)
-                for g, v in zip(grads, variables, strict=True)
+                g if g is None or overwritten(v) else _divide(g, scale)
+                for g, v in zip(grads, trainable_variables, strict=True)
             ]
         if not check:  # accumulation: the window's check runs at its last micro-batch (Window.finite)
             return grads, tf.constant(True)
@@ -332,7 +400,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
         def combined(finite: Any) -> Any:
             if ctx is not None and ctx.num_replicas_in_sync > 1:
-                nonfinite = ctx.all_reduce(tf.distribute.ReduceOp.SUM, tf.cast(tf.logical_not(finite), tf.float32))
+                nonfinite = ctx.all_reduce(
+                    tf.distribute.ReduceOp.SUM, tf.cast(tf.logical_not(finite), tf.float32)
+                )
                 finite = tf.equal(nonfinite, 0.0)
             return finite
 
@@ -384,7 +454,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
         def last_fn() -> None:
             finite = combined(
-                distribution.extended.call_for_each_replica(window.finite, args=(unscaled, trainable_variables))
+                distribution.extended.call_for_each_replica(
+                    window.finite, args=(unscaled, trainable_variables)
+                )
             )
             self._apply_unless_skipped(
                 finite, lambda: window.apply(distribution, unscaled, trainable_variables), window.skip
@@ -403,24 +475,23 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         """:func:`mpx.scaler_update` on the variables (``finite``: a bool scalar tensor)."""
         cfg = self._config
         cap = tf.constant(mpx.COUNTER_MAX, tf.int64)  # the counters saturate, as the reference's
-        consecutive = tf.where(finite, tf.constant(0, tf.int64), tf.minimum(self.consecutive_nonfinite.value + 1, cap))
+        consecutive = tf.where(
+            finite, tf.constant(0, tf.int64), tf.minimum(self.consecutive_nonfinite.value + 1, cap)
+        )
         if cfg.kind == "dynamic":
             lo, hi = cfg.bounds
-            scale = self.dynamic_scale.value
-            exact = _exact_f64(scale)
+            sbits = tf.bitcast(self.dynamic_scale.value, tf.int32)
+            # Growth: kept only when the product is finite, capped at max_scale; backoff floored at
+            # min_scale (2**-126 for None; a product below it comes back as 0).  Positive float32
+            # values order as their bits, so the bounds apply to the bits.
+            grown = _product_bits(sbits, cfg.growth_split)
+            grown = tf.where(grown < INF_BITS, tf.minimum(grown, _bits(hi)), sbits)
+            backed = tf.maximum(_product_bits(sbits, cfg.backoff_split), _bits(lo))
             tracker = self.step_counter.value + 1
             at_interval = tf.equal(tracker, cfg.growth_interval)
-            # Growth: float32(float64(scale) * growth_factor), kept only when finite, capped at max_scale.
-            grown_exact = exact * cfg.growth_factor  # a float64 product, rounded as torch's kernel
-            grown = _round_f32(grown_exact)
-            grow = finite & at_interval & tf.math.is_finite(grown)  # before the cap, as the reference
-            if hi != float("inf"):
-                grown = tf.where(grown_exact > hi, _f32_constant(hi), grown)
-            # Backoff: float32(float64(scale) * backoff_factor), floored at min_scale (2**-126 for None).
-            backed = _round_f32(exact * cfg.backoff_factor)
-            backed = tf.where(backed < lo, _f32_constant(lo), backed)
-            back = tf.logical_not(finite) & (consecutive >= cfg.hysteresis)
-            self.dynamic_scale.assign(tf.where(grow, grown, tf.where(back, backed, scale)))
+            back = consecutive >= cfg.hysteresis
+            new_bits = tf.where(finite, tf.where(at_interval, grown, sbits), tf.where(back, backed, sbits))
+            self.dynamic_scale.assign(tf.bitcast(new_bits, tf.float32))
             self.step_counter.assign(tf.where(finite & tf.logical_not(at_interval), tracker, 0))
         self.consecutive_nonfinite.assign(consecutive)
         self.total_steps.assign(tf.minimum(self.total_steps.value + 1, cap))
@@ -429,9 +500,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             self.skipped_steps.assign(tf.minimum(skipped, cap))
         extras = self._mpx_extras
         if extras.history is not None:
-            extras.history.record(self.dynamic_scale.value, self.step_counter.value, consecutive, self.total_steps.value)
+            extras.history.record(
+                self.dynamic_scale.value, self.step_counter.value, consecutive, self.total_steps.value
+            )
         if extras.loss_flag is not None and cfg.max_consecutive_skips is not None:
-            check_stuck(cfg, self.dynamic_scale.value, consecutive, extras.loss_flag.take())
+            stuck_check(cfg, self.dynamic_scale.value, consecutive, extras.loss_flag.take())
 
     # -- history (mpx_tf.history) ------------------------------------------------------------
     @property
@@ -455,7 +528,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             MPXError: when :meth:`record_history` was not called.
         """
         if self._mpx_extras.history is None:
-            raise MPXError("history: not recording; call optimizer.record_history() before training")
+            raise MPXError("history: not recording; call optimizer.record_history() before training.")
         return self._mpx_extras.history.read(self._config)
 
     # -- mpx's scaler API ------------------------------------------------------------------
@@ -475,15 +548,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             skipped_steps=int(self.skipped_steps.numpy()),
         )
 
-    @property
-    def scale(self) -> float:
-        """The current loss scale as a Python float (a host read; in a graph use ``dynamic_scale``)."""
+    def get_scale(self) -> float:
+        """The current loss scale as a Python float (a host read; in a traced step use ``dynamic_scale``)."""
         return float(np.float32(self.dynamic_scale.numpy()))
-
-    @property
-    def growth_tracker(self) -> keras.Variable:
-        """mpx's name for ``step_counter``: finite steps in a row since the last growth."""
-        return self.step_counter
 
     def state_dict(self) -> dict[str, Any]:
         """The neutral JSON-safe state dict (format ``mpx.scaler/1``), as every mpx scaler writes."""

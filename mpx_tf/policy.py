@@ -20,7 +20,8 @@ import keras
 import tensorflow as tf
 
 import mpx
-from mpx.errors import MPXError, PolicyError
+from mpx.errors import MPXError, PolicyError, UnsupportedTypeError
+from mpx_tf import _compat
 from mpx_tf.autocast import enable as _enable_autocast
 from mpx_tf.dtype_policy import NAME_PREFIX, cast_output, mpx_name
 
@@ -146,15 +147,11 @@ def _classes(*names: str) -> tuple[type, ...]:
     return tuple(getattr(keras.layers, n) for n in names if hasattr(keras.layers, n))
 
 
+#: Per category, the Keras layer classes in it: the core's one table (:data:`mpx.CATEGORY_CLASSES`,
+#: ``"keras"``, below ``keras.layers``), resolved against this Keras.
+CATEGORY_LAYERS: dict[str, tuple[type, ...]] = mpx.resolve_categories("keras", keras.layers)
 #: Layer classes of the ``normalization`` category (those this Keras has).
-NORMALIZATION_LAYERS: tuple[type, ...] = _classes(
-    "LayerNormalization",
-    "BatchNormalization",
-    "GroupNormalization",
-    "UnitNormalization",
-    "RMSNormalization",
-    "Normalization",
-)
+NORMALIZATION_LAYERS: tuple[type, ...] = CATEGORY_LAYERS["normalization"]
 _SOFTMAX_ACTIVATIONS = ("softmax", "log_softmax")
 
 
@@ -171,30 +168,23 @@ def _activation_name(fn: Any) -> str | None:
 def category_of(layer: keras.layers.Layer) -> str | None:
     """The mpx category of a Keras layer: ``normalization``, ``softmax``, ``loss`` or None.
 
-    A layer (class or instance) with an ``mpx_category`` attribute names its own
-    category, for example a custom layer that computes a loss.  Otherwise the
-    normalization layers (:data:`NORMALIZATION_LAYERS`) are ``normalization``,
-    and ``Softmax`` and ``Activation("softmax" | "log_softmax")`` are ``softmax``.
-    A ``Dense(..., activation="softmax")`` is a Dense layer: its softmax runs
-    in the compute dtype; use a separate ``Activation("softmax")`` layer to
-    have mpx keep it in float32.
+    The core's two rules (:func:`mpx.category_of`): a layer (class or instance)
+    with an ``mpx_category`` attribute names its own category, for example a
+    custom layer that computes a loss; otherwise the core's class table
+    (:data:`CATEGORY_LAYERS`: the normalization layers, ``Softmax``).  One rule is
+    Keras's own, as it depends on the instance: ``Activation("softmax" |
+    "log_softmax")`` is ``softmax``.  A ``Dense(..., activation="softmax")`` is a
+    Dense layer: its softmax runs in the compute dtype; use a separate
+    ``Activation("softmax")`` layer to have mpx keep it in float32.
+
+    Raises:
+        PolicyError: for an ``mpx_category`` that is not a category.
     """
-    own = getattr(layer, "mpx_category", None)
-    if own is not None:
-        if own not in mpx.CATEGORIES:
-            raise PolicyError(
-                f"layer {layer.name!r}: mpx_category {own!r} is not a category; "
-                f"allowed: {', '.join(mpx.CATEGORIES)}"
-            )
-        return own
-    if isinstance(layer, NORMALIZATION_LAYERS):
-        return "normalization"
-    if isinstance(layer, keras.layers.Softmax):
-        return "softmax"
-    if isinstance(layer, keras.layers.Activation):
+    category = mpx.category_of(layer, CATEGORY_LAYERS)
+    if category is None and isinstance(layer, keras.layers.Activation):
         if _activation_name(layer.activation) in _SOFTMAX_ACTIVATIONS:
             return "softmax"
-    return None
+    return category
 
 
 #: Keras layers that compute one canonical op of the mpx op table.
@@ -221,10 +211,6 @@ def op_of(layer: keras.layers.Layer) -> str | None:
     return None
 
 
-def _children(layer: keras.layers.Layer) -> list[keras.layers.Layer]:
-    return list(layer._flatten_layers(include_self=False, recursive=False))
-
-
 def _walk(root: keras.layers.Layer) -> Iterator[tuple[str, keras.layers.Layer]]:
     """(dotted path, layer) for every layer under ``root``, each once, parents first."""
     seen: set[int] = set()
@@ -235,13 +221,13 @@ def _walk(root: keras.layers.Layer) -> Iterator[tuple[str, keras.layers.Layer]]:
             continue
         seen.add(id(layer))
         yield path, layer
-        kids = _children(layer)
+        kids = _compat.child_layers(layer)
         for child in reversed(kids):
             stack.append((f"{path}.{child.name}" if path else child.name, child))
 
 
 def _own_float_variables(layer: keras.layers.Layer) -> list[Any]:
-    below = {id(v) for child in _children(layer) for v in child.weights}
+    below = {id(v) for child in _compat.child_layers(layer) for v in child.weights}
     return [
         v
         for v in layer.weights
@@ -269,9 +255,10 @@ def apply_policy(model: keras.layers.Layer, policy: mpx.PolicySpec | None = None
     Raises:
         PolicyError: for a bad spec, or a built layer whose variables are not
             in the param dtype the policy assigns it.
+        UnsupportedTypeError: when ``model`` is not a Keras layer or model.
     """
     if not isinstance(model, keras.layers.Layer):
-        raise MPXError(f"model: expected a Keras model or layer, got {type(model).__name__}")
+        raise UnsupportedTypeError(f"model: expected a Keras model or layer, got {type(model).__name__}.")
     p = get_global_policy() if policy is None else mpx.get_policy(policy)
     mpx.warn_if_slow("tf", p, _device(), stacklevel=3)
     _enable_autocast()
@@ -319,17 +306,15 @@ def apply_policy(model: keras.layers.Layer, policy: mpx.PolicySpec | None = None
 
 def _output_layers(model: keras.layers.Layer) -> list[keras.layers.Layer]:
     """The layers whose outputs are a Sequential or functional model's outputs (Keras does not reload their root's dtype)."""
-    from keras.src.models.functional import Functional
-
     if isinstance(model, keras.Sequential):
         return model.layers[-1:]
-    if not isinstance(model, Functional):
+    if not _compat.is_functional(model):
         return []
     found = []
     for tensor in keras.tree.flatten(model.outputs):
-        history = getattr(tensor, "_keras_history", None)
-        if history is not None and isinstance(history.operation, keras.layers.Layer):
-            found.append(history.operation)
+        operation = _compat.keras_history_operation(tensor)
+        if isinstance(operation, keras.layers.Layer):
+            found.append(operation)
     return found
 
 

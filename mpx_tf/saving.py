@@ -8,8 +8,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import keras
-from keras.src import api_export
 
+from mpx_tf import _compat
 from mpx_tf.loss_scale_optimizer import LossScaleOptimizer
 
 __all__ = ["load_model"]
@@ -20,7 +20,7 @@ _KERAS_LSO = "keras.optimizers.LossScaleOptimizer"
 @contextlib.contextmanager
 def _keras_lso_as_mpx() -> Iterator[None]:
     # Keras resolves its own classes by their public name, before custom_objects are asked.
-    names = api_export.REGISTERED_NAMES_TO_OBJS
+    names = _compat.REGISTERED_NAMES_TO_OBJS
     previous = names.get(_KERAS_LSO)
     names[_KERAS_LSO] = LossScaleOptimizer
     try:

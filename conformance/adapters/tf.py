@@ -254,8 +254,8 @@ def _optimizer(mode: str, cfg: mpx.ScalerConfig, inner: keras.optimizers.Optimiz
 
 
 def _current_scale(opt) -> float:
-    if hasattr(opt, "state_dict"):
-        return float(opt.state_dict()["scale"])
+    if hasattr(opt, "get_scale"):  # mpx's scaler surface
+        return opt.get_scale()
     return float(opt.dynamic_scale.numpy()) if opt.built else float(opt.initial_scale)
 
 

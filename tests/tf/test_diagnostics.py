@@ -62,7 +62,8 @@ def test_forward_overflow_is_named():
 def test_backward_overflow_is_named():
     model = _model(1e3, embed=1e-4, head=1.0)
     x = tf.ones((2, 4))
-    with mpx_tf.watch(model, scale=2.0**10) as w:
+    opt = mpx_tf.LossScaleOptimizer(keras.optimizers.SGD(0.1), mpx.ScalerConfig(init_scale=2.0**10))
+    with mpx_tf.watch(model, scaler=opt) as w:  # the optimizer's get_scale(); a number works too
         grads = _step(model, x, 2.0**10, w)
     report = w.report()
     assert [s for s in report.sites if s.kind == "forward"] == []
@@ -86,7 +87,7 @@ def test_finite_step_result_unchanged(caplog):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
     lines = [r for r in caplog.records if r.name == "mpx.diagnostics"]
     assert len(lines) == 1 and "all finite" in lines[0].getMessage()
-    with pytest.raises(DiagnosticsError, match="model"):
+    with pytest.raises(mpx.UnsupportedTypeError, match="model: expected a Keras model or layer"):
         mpx_tf.watch(object())
 
 

@@ -113,8 +113,8 @@ def test_scale_is_floored_at_the_smallest_normal():
         step(tf.constant(event))
         assert _same_state(opt.state, expected)
         if i == 24:
-            assert opt.scale == 2.0**-126
-    assert opt.scale == 2.0**-123
+            assert opt.get_scale() == 2.0**-126
+    assert opt.get_scale() == 2.0**-123
 
 
 # -- a real model in a custom loop ------------------------------------------------------
@@ -158,7 +158,7 @@ def test_custom_loop_skips_leave_model_and_adam_bit_identical():
             assert after == before  # weights, iterations and both Adam moments untouched
         else:
             assert after[0] != before[0] and after[1] != before[1]
-        scales.add(opt.scale)
+        scales.add(opt.get_scale())
     assert len(scales) > 2  # grew and backed off ...
     assert len(traces) == 1 == train_step.experimental_get_tracing_count()  # ... without a retrace
     assert int(inner.iterations.numpy()) == want[-1].steps - want[-1].skipped_steps
@@ -172,14 +172,14 @@ def test_apply_gradients_and_eager_use():
     with tf.GradientTape() as tape:
         loss = tf.reduce_mean(tf.square(model(x) - y))
         scaled = opt.scale_loss(loss)
-    assert float(scaled) == float(loss) * 2.0**16
+    assert float(scaled) == float(loss) * 2.0**16 == float(opt.scale(loss))  # scale: mpx's name for it
     grads = tape.gradient(scaled, model.trainable_variables)
     iterations = opt.apply_gradients(zip(grads, model.trainable_variables, strict=True))
     assert int(iterations) == 1 and opt.state.steps == 1
     bad = [g * math.inf for g in grads]
     before = bits(model.variables)
     opt.apply(bad)  # variables known from the first call
-    assert bits(model.variables) == before and opt.scale == 2.0**15 and opt.state.skipped_steps == 1
+    assert bits(model.variables) == before and opt.get_scale() == 2.0**15 and opt.state.skipped_steps == 1
 
 
 def test_scale_loss_keeps_a_half_loss_from_overflowing():
@@ -299,7 +299,7 @@ def _trained(config=None, events=(0, 1, 0, 0, 2)):
 def test_state_dict_round_trip_and_interchange():
     opt, _ = _trained()
     sd = opt.state_dict()
-    assert sd["format"] == "mpx.scaler/1" and sd["scale"] == opt.scale
+    assert sd["format"] == "mpx.scaler/1" and sd["scale"] == opt.get_scale()
     assert json.loads(json.dumps(sd)) == sd
     scaler = mpx.LossScaler.from_state_dict(sd)  # the core's scaler reads it ...
     assert scaler.state == opt.state and scaler.config == opt.config
@@ -340,7 +340,7 @@ def test_loaded_config_drives_the_next_steps():
 def test_smallest_scale_survives_state_dict():
     config = mpx.ScalerConfig(init_scale=2.0**-126, min_scale=None)
     opt = mpx_tf.LossScaleOptimizer(keras.optimizers.SGD(), config)
-    assert opt.scale == 2.0**-126
+    assert opt.get_scale() == 2.0**-126
     again = mpx_tf.LossScaleOptimizer(keras.optimizers.SGD())
     again.load_state_dict(opt.state_dict())
     assert again.state == opt.state
@@ -350,10 +350,12 @@ def test_smallest_scale_survives_state_dict():
     "config, error",
     [
         ({"kind": "bogus"}, mpx.ScalerConfigError),
-        ({"growth_factor": 1.0}, mpx.ScalerConfigError),
-        ({"init_scale": 2.0**30}, mpx.ScalerConfigError),  # above max_scale
-        ({"unknown": 1}, mpx.ScalerConfigError),
-        ("dynamic", mpx.ScalerConfigError),
+        ({"kind": "dynamic", "growth_factor": 1.0}, mpx.ScalerConfigError),
+        ({"kind": "dynamic", "init_scale": 2.0**30}, mpx.ScalerConfigError),  # above max_scale
+        ({"kind": "dynamic", "unknown": 1}, mpx.ScalerConfigError),
+        ({"growth_factor": 2.0}, mpx.PolicyError),  # a dict without "kind" is read as a policy dict
+        ("dynamic", mpx.PolicyError),  # a string is a policy spec
+        (2.0, mpx.ScalerConfigError),
     ],
 )
 def test_bad_configs_raise_mpx_errors(config, error):
@@ -361,10 +363,19 @@ def test_bad_configs_raise_mpx_errors(config, error):
         mpx_tf.LossScaleOptimizer(keras.optimizers.SGD(), config)
 
 
+def test_policy_specs_give_the_policy_scaler():
+    assert mpx_tf.LossScaleOptimizer(keras.optimizers.SGD(), "mixed_float16").config == mpx.ScalerConfig()
+    none = mpx_tf.LossScaleOptimizer(keras.optimizers.SGD(), mpx.get_policy("mixed_bfloat16").to_dict())
+    assert none.config.kind == "none" and none.get_scale() == 1.0
+    # Keras's own arguments still apply over a policy's dynamic config
+    keras_args = mpx_tf.LossScaleOptimizer(keras.optimizers.SGD(), "mixed_float16", initial_scale=2.0**15)
+    assert keras_args.config == mpx.ScalerConfig(init_scale=2.0**15)
+
+
 def test_bad_inner_optimizers_raise_mpx_errors():
-    with pytest.raises(mpx.MPXError, match="keras.optimizers.Optimizer"):
+    with pytest.raises(mpx.UnsupportedTypeError, match="keras.optimizers.Optimizer"):
         mpx_tf.LossScaleOptimizer("adam")
-    with pytest.raises(mpx.MPXError, match="already a LossScaleOptimizer"):
+    with pytest.raises(mpx.UnsupportedTypeError, match="already a LossScaleOptimizer"):
         mpx_tf.LossScaleOptimizer(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()))
     with pytest.raises(mpx.MPXError, match="unknown arguments 'init_scale'"):  # Keras's initial_scale is accepted
         mpx_tf.LossScaleOptimizer(keras.optimizers.SGD(), init_scale=2.0)
@@ -380,7 +391,7 @@ def test_get_config_from_config():
     cfg = opt.get_config()
     assert cfg["config"] == config.to_dict() and cfg["name"] == "lso"
     again = mpx_tf.LossScaleOptimizer.from_config(cfg)
-    assert again.config == config and again.scale == 2.0**8
+    assert again.config == config and again.get_scale() == 2.0**8
     assert isinstance(again.inner_optimizer, keras.optimizers.Adam)
     assert float(again.learning_rate.numpy()) == 0.25
     generic = keras.optimizers.deserialize(keras.optimizers.serialize(opt))
@@ -468,7 +479,7 @@ def test_issue_example_and_double_rounding_case():
         opt = mpx_tf.LossScaleOptimizer(keras.optimizers.SGD(0.1), config)
         for finite in flags:
             opt._transition(tf.constant(finite))
-        assert opt.scale == want
+        assert opt.get_scale() == want
 
 
 def _snapshot(opt):

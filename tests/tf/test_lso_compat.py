@@ -26,9 +26,9 @@ def test_keras_arguments_map_onto_the_config(kwargs):
     # a given argument gives the same value as in Keras's class
     assert ours.config.growth_interval == keras_lso.dynamic_growth_steps  # both default to 2000
     if "initial_scale" in kwargs:
-        assert ours.config.init_scale == ours.scale == keras_lso.initial_scale
+        assert ours.config.init_scale == ours.get_scale() == keras_lso.initial_scale
     else:  # an argument not given keeps each class's own default: Keras 2**15, mpx 2**16
-        assert (keras_lso.initial_scale, ours.scale) == (2.0**15, 2.0**16)
+        assert (keras_lso.initial_scale, ours.get_scale()) == (2.0**15, 2.0**16)
     assert ours.config.kind == "dynamic"
 
 
@@ -68,7 +68,7 @@ def test_inner_optimizer_arguments_get_keras_advice(arg, value, default):
         mpx_tf.LossScaleOptimizer(_sgd(), **{arg: value})
     # at their defaults (older saved configs carry them) both accept them
     keras.optimizers.LossScaleOptimizer(_sgd(), **{arg: default})
-    assert mpx_tf.LossScaleOptimizer(_sgd(), **{arg: default}).scale == 2.0**16
+    assert mpx_tf.LossScaleOptimizer(_sgd(), **{arg: default}).get_scale() == 2.0**16
 
 
 def test_from_config_reads_keras_format():
@@ -77,7 +77,7 @@ def test_from_config_reads_keras_format():
     assert set(config) == {"name", "inner_optimizer", "initial_scale", "dynamic_growth_steps"}
     ours = mpx_tf.LossScaleOptimizer.from_config(config)
     assert type(ours) is mpx_tf.LossScaleOptimizer and ours.name == "lso"
-    assert (ours.scale, ours.config.growth_interval) == (512.0, 11)
+    assert (ours.get_scale(), ours.config.growth_interval) == (512.0, 11)
     assert type(ours.inner_optimizer) is keras.optimizers.SGD
     assert ours.inner_optimizer.learning_rate.numpy() == np.float32(0.1)
     # mpx's own format still round-trips
@@ -103,7 +103,7 @@ def test_a_model_saved_with_keras_lso_loads_with_mpx_lso(tmp_path):
     assert opt.config.growth_interval == 5
     for a, b in zip(loaded.get_weights(), model.get_weights(), strict=True):
         np.testing.assert_array_equal(a, b)
-    assert opt.scale == 256.0  # from the config: Keras's scaler state is not carried over
+    assert opt.get_scale() == 256.0  # from the config: Keras's scaler state is not carried over
     loaded.fit(x, y, epochs=1, verbose=0)  # trains on with mpx's scaler
     assert opt.state.steps == 1
     # and the registry is restored: Keras's class loads again afterwards

@@ -1,0 +1,95 @@
+"""The scaler surface every backend shares (mpx.testing) holds for mpx_tf.LossScaleOptimizer.
+
+Each step is a real Keras step: a loss through ``scale`` (mpx's name; ``scale_loss`` is Keras's),
+gradients from a tape, ``apply`` with the scaled gradients.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import mpx
+import mpx_tf
+from mpx.testing import SURFACE_CHECKS
+
+
+class KerasAdapter:
+    def __init__(self):
+        self.variables = {}  # id(optimizer) -> the variable it trains
+
+    def make(self, config):
+        opt = mpx_tf.LossScaleOptimizer(keras.optimizers.SGD(0.1), config)
+        w = self.variables[id(opt)] = keras.Variable(np.ones(3, np.float32), name="w")
+        opt.build([w])
+        return opt
+
+    def step(self, scaler, finite):
+        w = self.variables[id(scaler)]
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(w * (1.0 if finite else float("inf")))
+            scaled = scaler.scale(loss)
+        scaler.apply(tape.gradient(scaled, [w]), [w])
+        return scaler
+
+    def multiply(self, scaler, value):
+        return float(scaler.scale(tf.constant(value, tf.float32)))
+
+    def load(self, scaler, data):
+        assert scaler.load_state_dict(data) is None  # a mutable scaler loads in place
+        return scaler
+
+    def history(self, config, flags):
+        scaler = self.make(config)
+        scaler.record_history()
+        for finite in flags:
+            self.step(scaler, finite)
+        return scaler.history()
+
+
+@pytest.mark.parametrize("check", SURFACE_CHECKS.values(), ids=list(SURFACE_CHECKS))
+def test_loss_scale_optimizer_meets_the_surface(check):
+    check(KerasAdapter())
+
+
+def test_scale_and_scale_loss_are_the_same_product():
+    opt = mpx_tf.LossScaleOptimizer(keras.optimizers.SGD(), mpx.ScalerConfig(init_scale=8.0))
+    loss = tf.constant(1.5, tf.float16)
+    assert opt.scale(loss).dtype == opt.scale_loss(loss).dtype == tf.float32
+    assert float(opt.scale(loss)) == float(opt.scale_loss(loss)) == 12.0
+    assert opt.get_scale() == 8.0 and type(opt.get_scale()) is float
+
+
+def test_the_surface_in_a_traced_step():
+    """get_scale() and state read what a tf.function step wrote; scale() works inside the trace."""
+    adapter = KerasAdapter()
+    opt = adapter.make(mpx.ScalerConfig(init_scale=4.0, growth_interval=1))
+    w = adapter.variables[id(opt)]
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            scaled = opt.scale(tf.reduce_sum(w))
+        opt.apply(tape.gradient(scaled, [w]), [w])
+
+    step()
+    step()
+    assert opt.get_scale() == 16.0 and opt.state == mpx.ScalerState(16.0, 0, 0, 2, 0)
+    assert step.experimental_get_tracing_count() == 1
+
+
+def test_wrong_types_raise_unsupported_type_error():
+    with pytest.raises(
+        mpx.UnsupportedTypeError, match="inner_optimizer: expected a keras.optimizers.Optimizer"
+    ):
+        mpx_tf.LossScaleOptimizer("adam")
+    with pytest.raises(mpx.UnsupportedTypeError, match="already a LossScaleOptimizer"):
+        mpx_tf.LossScaleOptimizer(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()))
+    with pytest.raises(mpx.UnsupportedTypeError, match="model: expected a Keras model or layer"):
+        mpx_tf.apply_policy(object(), "mixed_bfloat16")
+    with pytest.raises(mpx.UnsupportedTypeError, match="model: expected a Keras model or layer"):
+        mpx_tf.watch("model")
+    with pytest.raises(mpx.UnsupportedTypeError, match="optimizer: expected a keras.optimizers.Optimizer"):
+        mpx_tf.set_reduce_dtype("sgd", "bfloat16")
