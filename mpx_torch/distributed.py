@@ -29,7 +29,7 @@ from torch import nn
 from mpx import MPXError, Policy, PolicyError, PolicySpec, get_policy
 from mpx_torch._compile import eager_under_dynamo
 from mpx_torch.autocast import to_torch_dtype
-from mpx_torch.prepare import _PolicyForward, module_category, prepare
+from mpx_torch.prepare import module_category, prepare, prepared_policy
 
 __all__ = [
     "agree_found_inf",
@@ -258,12 +258,12 @@ def fully_shard(
     if not all(isinstance(t, type) and issubclass(t, nn.Module) for t in unit_types):
         raise MPXError(f"units: expected torch.nn.Module classes (e.g. units=(Block,)), got {units!r}.")
     root = get_policy(policy)
-    forward = module.__dict__.get("forward")
-    if not isinstance(forward, _PolicyForward):
+    prepared = prepared_policy(module)
+    if prepared is None:
         prepare(module, root)
-    elif forward.policy != root:
+    elif prepared != root:
         raise PolicyError(
-            f"policy: the module was prepared under {forward.policy}, not {root}; "
+            f"policy: the module was prepared under {prepared}, not {root}; "
             "call fully_shard with the policy given to prepare."
         )
     effective: dict[str, Policy] = {}

@@ -9,41 +9,44 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
-from mpx import OpTable, Policy, PolicyError, PolicySpec, get_policy, warn_if_slow, widest_dtype
+from mpx import (
+    OpTable,
+    Policy,
+    PolicyError,
+    PolicySpec,
+    UnsupportedTypeError,
+    category_of,
+    get_policy,
+    warn_if_slow,
+    widest_dtype,
+)
+from mpx_torch import _compat
 from mpx_torch.autocast import _HALF, autocast, to_torch_dtype
 
-__all__ = ["module_category", "prepare"]
+__all__ = ["module_category", "prepare", "prepared_policy"]
 
-_NORMS: tuple[type, ...] = tuple(
-    cls
-    for cls in (
-        nn.modules.batchnorm._NormBase,  # BatchNorm*, SyncBatchNorm, InstanceNorm*, their lazy forms
-        nn.LayerNorm,
-        nn.GroupNorm,
-        getattr(nn, "RMSNorm", None),
-        nn.LocalResponseNorm,
-    )
-    if cls is not None
-)
-_SOFTMAX: tuple[type, ...] = (nn.Softmax, nn.LogSoftmax, nn.Softmin, nn.Softmax2d)
-_LOSS: tuple[type, ...] = (nn.modules.loss._Loss,)
+_CATEGORIES: dict[str, tuple[type, ...]] = _compat.category_classes()
 
 
 def module_category(module: nn.Module) -> str | None:
-    """The mpx category of a module: ``"normalization"``, ``"softmax"``, ``"loss"`` or None."""
-    if isinstance(module, _NORMS):
-        return "normalization"
-    if isinstance(module, _SOFTMAX):
-        return "softmax"
-    if isinstance(module, _LOSS):
-        return "loss"
-    return None
+    """The mpx category of a module: ``"normalization"``, ``"softmax"``, ``"loss"`` or None.
+
+    The core's table (:data:`mpx.categories.CATEGORY_CLASSES` below ``torch.nn``) decides, and an
+    ``mpx_category`` attribute on the module or its class names its own category (for example
+    ``LlamaRMSNorm.mpx_category = "normalization"`` for a model library's own norm class).
+
+    Raises:
+        mpx.PolicyError: for an ``mpx_category`` that is not a category.
+    """
+    return category_of(module, _CATEGORIES)
 
 
 def _cast_tree(value: Any, target: torch.dtype, sources: tuple[torch.dtype, ...]) -> Any:
@@ -61,20 +64,31 @@ def _cast_tree(value: Any, target: torch.dtype, sources: tuple[torch.dtype, ...]
 
 # floating outputs of 16 and 32 bits take the output dtype; float64 is left as computed
 _OUTPUT_SOURCES = (*_HALF, torch.float32)
+_ATTRIBUTE = "_mpx_policy_hooks"  # the module's _PolicyHooks, in its __dict__
 
 
-class _PolicyForward:
-    """A module's ``forward`` run under a policy: inputs cast up for float32 compute, outputs cast."""
+class _Frames(threading.local):
+    """The regions a module's hooks entered and not yet exited, per thread (a module may recurse)."""
+
+    def __init__(self) -> None:
+        self.stack: list[tuple | None] = []
+
+
+class _PolicyHooks:
+    """A module's forward run under a policy, by two forward hooks (``forward`` itself is untouched).
+
+    The pre-hook casts half inputs up for a float32 region and enters the
+    policy's :class:`mpx_torch.autocast` region; the post-hook (``always_call``:
+    it runs when ``forward`` raises too) exits the region and casts the outputs.
+    """
 
     def __init__(
         self,
-        forward: Any,
         policy: Policy,
         device_type: str | Sequence[str] | None,
         op_table: OpTable | None,
         region: bool,
     ) -> None:
-        self.forward = forward
         self.policy = policy
         self._context = autocast(policy, device_type, op_table=op_table)
         # a float32 region of its own (a submodule, or a root with half overrides) computes half inputs
@@ -82,40 +96,79 @@ class _PolicyForward:
         self._context._region = region
         self._compute = to_torch_dtype(policy.compute_dtype)
         self._output = to_torch_dtype(policy.output_dtype)
+        self._frames = _Frames()
+        self.handles: tuple[RemovableHandle, ...] = ()
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def enter(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        changed = None
         if not self.policy.lowers_precision:
             args = _cast_tree(args, self._compute, _HALF)
             if kwargs:
                 kwargs = _cast_tree(kwargs, self._compute, _HALF)
-        frame = self._context._enter()
-        try:
-            out = self.forward(*args, **kwargs)
-        finally:
-            self._context._exit(frame)
-        return _cast_tree(out, self._output, _OUTPUT_SOURCES)
+            changed = (args, kwargs)
+        self._frames.stack.append(self._context._enter())
+        return changed
+
+    def exit(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        stack = self._frames.stack
+        if stack:  # empty only when a hook before ours raised (the post-hook is always called)
+            self._context._exit(stack.pop())
+        return _cast_tree(output, self._output, _OUTPUT_SOURCES)
+
+    def __getstate__(self) -> dict[str, Any]:  # per-thread frames are not state (pickle, deepcopy)
+        return {k: v for k, v in self.__dict__.items() if k != "_frames"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._frames = _Frames()
 
     def __repr__(self) -> str:
-        return f"<forward of {self.forward!r} under {self.policy!r}>"
+        return f"<mpx policy hooks: {self.policy}>"
+
+
+_EAGER_TOP_LEVEL: list[bool] = []
+
+
+def _hooks_run_eagerly_as_top_level_frames() -> None:
+    """Dynamo runs the hooks eagerly when it meets them as frames of their own, and traces them inline.
+
+    ``torch.compile(model)`` calls a module's hooks outside the graph of its
+    ``forward`` (each hook is a frame of its own): entered eagerly, the region is
+    the ambient autocast state the forward's graph is traced under, as with
+    ``with torch.autocast(...): compiled(x)``.  A prepared submodule called from
+    traced code has its hooks inlined: its region is in the graph.  Either way
+    the graph count is torch.autocast's.
+    """
+    if not _EAGER_TOP_LEVEL:
+        for hook in (_PolicyHooks.enter, _PolicyHooks.exit):
+            _compat.dynamo_run_eagerly(hook.__code__)
+        _EAGER_TOP_LEVEL.append(True)
+
+
+def prepared_policy(module: nn.Module) -> Policy | None:
+    """The policy :func:`prepare` put ``module`` under (its own region's), or None when it has none."""
+    hooks = module.__dict__.get(_ATTRIBUTE)
+    return hooks.policy if isinstance(hooks, _PolicyHooks) else None
 
 
 def _unwrap(module: nn.Module) -> None:
-    wrapped = module.__dict__.get("forward")
-    if isinstance(wrapped, _PolicyForward):
-        del module.__dict__["forward"]
+    hooks = module.__dict__.pop(_ATTRIBUTE, None)
+    if isinstance(hooks, _PolicyHooks):
+        for handle in hooks.handles:
+            handle.remove()
 
 
 def _store(module: nn.Module, param_dtype: torch.dtype, buffer_dtype: torch.dtype) -> None:
     """Floating parameters (in place, keeping their identity) and buffers of ``module`` itself."""
     with torch.no_grad():
-        for param in module._parameters.values():
-            if param is not None and param.is_floating_point() and param.dtype != param_dtype:
+        for param in module.parameters(recurse=False):
+            if param.is_floating_point() and param.dtype != param_dtype:
                 param.data = param.data.to(param_dtype)
                 if param.grad is not None:
                     param.grad = param.grad.to(param_dtype)
-        for name, buf in module._buffers.items():
-            if buf is not None and buf.is_floating_point() and buf.dtype != buffer_dtype:
-                module._buffers[name] = buf.to(buffer_dtype)
+        for name, buf in list(module.named_buffers(recurse=False)):
+            if buf.is_floating_point() and buf.dtype != buffer_dtype:
+                setattr(module, name, buf.to(buffer_dtype))  # stays a buffer (persistent or not)
 
 
 def prepare(
@@ -147,15 +200,32 @@ def prepare(
       lists and dicts; float64 outputs are left as computed.  Inputs of the
       root are not cast (autocast semantics).
 
-    Calling ``prepare`` again replaces the previous policy.  Forward hooks see
-    a submodule's inputs before the cast up and its outputs after the cast.
+    ``forward`` itself is left as it is, so that libraries which read it (the
+    Hugging Face ``Trainer`` keeps the batch columns named in
+    ``inspect.signature(model.forward)``) see the class's method: each region
+    is a pair of module forward hooks, registered first (``prepend=True``), the
+    post-hook with ``always_call=True``.  So the region covers every call of the
+    module (``module(...)``), not a direct call of ``module.forward(...)``;
+    forward pre-hooks registered by others run inside it and see the inputs
+    after the cast up, and forward hooks see the outputs after the cast.
+    Wrapping a prepared model (PEFT's ``get_peft_model``, DDP, FSDP) and
+    preparing a wrapped one both work.  Calling ``prepare`` again replaces the
+    previous policy.  Under ``torch.compile`` a prepared model gives the graphs
+    ``torch.autocast`` gives (``fullgraph=True`` works): hooks met as frames of
+    their own run eagerly around the forward's graph, hooks of submodules called
+    from traced code are traced into it.
 
     Raises:
-        mpx.PolicyError: for a bad spec or a module that is not an ``nn.Module``.
+        mpx.UnsupportedTypeError: for a ``module`` that is not a ``torch.nn.Module``.
+        mpx.PolicyError: for a bad spec, a bad ``mpx_category``, or a shared submodule given two policies.
     """
     if not isinstance(module, nn.Module):
-        raise PolicyError(f"module: expected a torch.nn.Module, got {type(module).__name__}")
+        raise UnsupportedTypeError(
+            f"module: expected a torch.nn.Module, got {type(module).__name__}; "
+            "prepare converts a model in place (wrap plain functions in mpx_torch.autocast instead)."
+        )
     root = get_policy(policy)
+    _hooks_run_eagerly_as_top_level_frames()
     first = next(iter(module.parameters()), None)
     warn_if_slow(
         "torch", root, first.device if first is not None else torch.get_default_device(), stacklevel=3
@@ -183,5 +253,10 @@ def prepare(
         _store(sub, to_torch_dtype(own.param_dtype), to_torch_dtype(buffers))
         if wraps:
             region = sub is not module or any(rule.policy.lowers_precision for rule in own.rules())
-            sub.forward = _PolicyForward(sub.forward, own, device_type, op_table, region)
+            hooks = _PolicyHooks(own, device_type, op_table, region)
+            hooks.handles = (
+                sub.register_forward_pre_hook(hooks.enter, prepend=True, with_kwargs=True),
+                sub.register_forward_hook(hooks.exit, prepend=True, always_call=True),
+            )
+            sub.__dict__[_ATTRIBUTE] = hooks
     return module

@@ -1,6 +1,9 @@
 """mpx_torch.prepare: storage dtypes, per-submodule compute dtypes (seen by forward hooks), outputs."""
 
+import copy
+import inspect
 import pickle
+import threading
 
 import pytest
 import torch
@@ -183,10 +186,167 @@ def test_prepared_module_pickles():
 def test_errors():
     with pytest.raises(mpx.PolicyError):
         mpx_torch.prepare(Net(), "mixed_float17")
-    with pytest.raises(mpx.PolicyError, match="nn.Module"):
+    with pytest.raises(mpx.UnsupportedTypeError, match="expected a torch.nn.Module, got function"):
         mpx_torch.prepare(lambda x: x, "mixed_bfloat16")
     shared = nn.Linear(2, 2)
     seq = nn.Sequential(shared, shared)
     mpx_torch.prepare(seq, "mixed_bfloat16")  # same policy on both paths: fine
     with pytest.raises(mpx.PolicyError, match="shared"):
         mpx_torch.prepare(seq, mpx.get_policy("mixed_bfloat16").with_overrides({"1": "float32"}))
+
+
+# -- forward as libraries see it (issue 23, item 1) --------------------------------------------------
+class Keywords(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.ln = nn.LayerNorm(4)
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *, scale: float = 1.0
+    ):
+        h = self.ln(self.fc(input_ids)) * scale
+        return {"h": h, "mask": attention_mask}
+
+
+def test_forward_is_the_class_method_with_its_signature():
+    model = Keywords()
+    want = inspect.signature(model.forward)
+    mpx_torch.prepare(model, "mixed_bfloat16")
+    assert inspect.signature(model.forward) == want
+    assert list(inspect.signature(model.forward).parameters) == ["input_ids", "attention_mask", "scale"]
+    assert inspect.ismethod(model.forward) and model.forward.__func__ is Keywords.forward
+    assert model.forward.__self__ is model and "forward" not in model.__dict__
+    assert model.ln.forward.__func__ is nn.LayerNorm.forward
+    out = model(input_ids=torch.randn(2, 4), attention_mask=torch.ones(2, 4), scale=2.0)
+    assert out["h"].dtype == torch.float32 and out["mask"].dtype == torch.float32
+
+
+def test_region_follows_the_hooks_and_keyword_inputs_are_cast_up():
+    """A float32 region casts half keyword inputs too; the hooks others register see the region."""
+    seen = {}
+
+    def keep(key, value):  # hooks return None: they only look
+        seen[key] = value
+
+    model = mpx_torch.prepare(Keywords(), "mixed_bfloat16")
+    model.ln.register_forward_pre_hook(lambda mod, args: keep("ln_in", args[0].dtype))
+    model.register_forward_pre_hook(
+        lambda mod, args, kwargs: keep("autocast", torch.is_autocast_enabled("cpu")), with_kwargs=True
+    )
+    model.fc.register_forward_hook(lambda mod, args, out: keep("fc_out", out.dtype))
+    model(input_ids=torch.randn(2, 4))
+    assert seen == {"autocast": True, "fc_out": torch.bfloat16, "ln_in": torch.float32}
+    assert not torch.is_autocast_enabled("cpu")
+    norm = mpx_torch.prepare(nn.LayerNorm(4), "mixed_bfloat16")
+    assert norm(input=torch.randn(2, 4, dtype=torch.bfloat16)).dtype == torch.float32
+
+
+def test_a_forward_that_raises_leaves_no_region_behind():
+    class Fails(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            self.fc(x)
+            raise KeyError("inside")
+
+    model = mpx_torch.prepare(Fails(), "mixed_bfloat16")
+    for _ in range(2):
+        with pytest.raises(KeyError, match="inside"):
+            model(torch.randn(2, 4))
+        assert not torch.is_autocast_enabled("cpu")
+        assert (torch.randn(2, 2) @ torch.randn(2, 2)).dtype == torch.float32  # no mode left behind
+        assert torch.softmax(torch.randn(2, dtype=torch.bfloat16), -1).dtype == torch.bfloat16
+
+
+def test_prepare_again_and_copies_keep_one_pair_of_hooks():
+    model = Net()
+    for spec in ("mixed_bfloat16", "mixed_float16", "mixed_bfloat16"):
+        mpx_torch.prepare(model, spec)
+    assert len(model._forward_pre_hooks) == len(model._forward_hooks) == 1
+    assert len(model.ln._forward_pre_hooks) == 1
+    assert mpx_torch.prepare(nn.Linear(2, 2), "float32")._forward_pre_hooks  # a float32 root: a no-op region
+    x = torch.randn(3, 2, 8)
+    model.eval()
+    want = model(x)
+    for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert torch.equal(clone(x), want)
+        mpx_torch.prepare(clone, "float32")  # the copy's hooks are its own: replaced, the original keeps its
+        assert len(clone._forward_pre_hooks) == 1 and clone(x).dtype == torch.float32
+        assert torch.equal(model(x), want)  # the original keeps its policy
+
+
+def test_regions_are_per_thread():
+    model = mpx_torch.prepare(Net(), "mixed_bfloat16").eval()
+    x = torch.randn(3, 2, 8)
+    want = model(x)
+    results, barrier = [], threading.Barrier(4)
+
+    def run():
+        barrier.wait()
+        for _ in range(5):
+            results.append(torch.equal(model(x), want))
+
+    threads = [threading.Thread(target=run) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert results == [True] * 20
+
+
+def test_prepared_policy():
+    from mpx_torch.prepare import prepared_policy
+
+    model = mpx_torch.prepare(Net(), "mixed_float16")
+    assert prepared_policy(model) == mpx.get_policy("mixed_float16")
+    assert prepared_policy(model.ln).compute_dtype == "float32"
+    assert prepared_policy(model.fc) is None and prepared_policy(Net()) is None
+
+
+# -- the core's category table (issue 22) -------------------------------------------------------------
+def test_categories_come_from_the_core_table():
+    from mpx.categories import CATEGORY_CLASSES, resolve_categories
+
+    classes = resolve_categories("torch", nn)
+    for category, paths in CATEGORY_CLASSES["torch"].items():
+        assert len(classes[category]) == len(paths)  # every name exists in this torch
+    assert mpx_torch.module_category(nn.AdaptiveLogSoftmaxWithLoss(8, 10, [4])) == "softmax"
+    assert mpx_torch.module_category(nn.InstanceNorm1d(3)) == "normalization"
+    assert mpx_torch.module_category(nn.SmoothL1Loss()) == "loss"
+    assert mpx_torch.module_category(nn.Linear(2, 2)) is None
+
+
+def test_mpx_category_names_a_modules_own_category():
+    class ScaleNorm(nn.Module):  # a library's own norm (e.g. LlamaRMSNorm): not in torch.nn
+        mpx_category = "normalization"
+
+        def __init__(self):
+            super().__init__()
+            self.g = nn.Parameter(torch.ones(4))
+
+        def forward(self, x):
+            return self.g * x / x.norm(dim=-1, keepdim=True)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.norm, self.head = nn.Linear(4, 4), ScaleNorm(), nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.head(self.norm(self.fc(x)))
+
+    seen = {}
+    model = mpx_torch.prepare(Model(), "mixed_bfloat16")
+    model.norm.register_forward_hook(lambda mod, args, out: seen.update(norm=(args[0].dtype, out.dtype)))
+    model.head.register_forward_hook(lambda mod, args, out: seen.update(head=out.dtype))
+    model(torch.randn(2, 4))
+    assert seen == {"norm": (torch.float32, torch.float32), "head": torch.bfloat16}
+    instance = nn.Linear(4, 4)
+    instance.mpx_category = "loss"
+    assert mpx_torch.module_category(instance) == "loss"
+    instance.mpx_category = "norm"
+    with pytest.raises(mpx.PolicyError, match="mpx_category 'norm' is not a category"):
+        mpx_torch.prepare(instance, "mixed_bfloat16")
