@@ -1,7 +1,8 @@
 """Reports of a conformance run: the terminal summary, report.json, report.md, report.html.
 
 The HTML and the Markdown have the same sections, in this order: a per-framework summary, a legend,
-the result matrix, mpx failures, the findings (every native divergence, classified by
+the result matrix, mpx failures, adapter errors (status ``error``: the adapter crashed, nothing
+judged), the findings (every native divergence, classified by
 :mod:`conformance.findings`), the plots (:mod:`conformance.plots`), the scale traces aligned step
 by step, and one table per group whose cells show the observed value as text.  The terminal shows
 the matrix and one line per finding; the full lists stay in the files.  The HTML is self-contained
@@ -24,15 +25,26 @@ from conformance import findings as F
 from conformance import plots
 from conformance.cases import GROUPS
 
-__all__ = ["STATUSES", "html_report", "markdown", "prepare_out", "terminal", "write_all"]
+__all__ = [
+    "STATUSES",
+    "errors",
+    "html_report",
+    "markdown",
+    "mpx_passes",
+    "prepare_out",
+    "terminal",
+    "write_all",
+]
 
-STATUSES = ("pass", "differs", "fail", "skip")
+STATUSES = ("pass", "differs", "fail", "skip", "error")
 _SYMBOL = {"pass": "✓", "differs": "≠", "fail": "✗"}
 _LEGEND = {
     "pass": "meets the mpx spec",
     "differs": "natively only: the framework does not do what the spec says (a finding, not an error)",
     "fail": "under mpx only: mpx does not meet its own spec (a bug; the exit status is 1)",
     "skip": "not applicable (the reason is in the case table)",
+    "error": "the adapter running the case crashed, so nothing was judged: not a finding against the "
+    "framework; under mpx the exit status is 1 (the exception is in the case table)",
 }
 
 
@@ -53,12 +65,11 @@ def counts(data: dict) -> dict[tuple[str, str, str], Counter]:
 
 
 def _cell(c: Counter) -> str:
-    """``136✓ 42≠ 15 skip``: only the counts that are not zero; skips spelled out."""
+    """``136✓ 42≠ 15 skip 1 error``: only the counts that are not zero; skips and errors spelled out."""
     if not c:
         return "-"
     parts = [f"{c[s]}{_SYMBOL[s]}" for s in ("pass", "differs", "fail") if c[s]]
-    if c["skip"]:
-        parts.append(f"{c['skip']} skip")
+    parts += [f"{c[s]} {s}" for s in ("skip", "error") if c[s]]
     return " ".join(parts)
 
 
@@ -99,13 +110,30 @@ def _fmt(value: Any) -> str:
             last = _scale(value["scales"][-1]) if value["scales"] else "-"
             return f"{len(value['scales'])} steps, last {last}{extra}"
         if "changed" in value:
-            return "changed " + "".join("Y" if c else "n" for c in value["changed"]) + (
-                ", scale halved" if value.get("scale_halved") else ", scale kept"
+            return (
+                "changed "
+                + "".join("Y" if c else "n" for c in value["changed"])
+                + (", scale halved" if value.get("scale_halved") else ", scale kept")
             )
         if "state_dict" in value:
             sd = value["state_dict"] or {}
             return str(sd.get("format") or "keys " + ", ".join(sorted(sd)))
-    return json.dumps(value, default=str)
+        if set(value) == {"raised_at", "cause"}:  # scaler.stuck: the step that raises ScalerStuckError
+            if value["raised_at"] is None:
+                return "never stuck"
+            why = _STUCK_CAUSE.get(value["cause"], str(value["cause"]))
+            return f"stuck at step {value['raised_at']}: {why}"
+        return "; ".join(f"{k} {_fmt(v)}" for k, v in value.items())
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, list):
+        return ", ".join(_fmt(v) for v in value)
+    return str(value)
+
+
+#: What the cause of a ``scaler.stuck`` case means (:func:`conformance.cases.stuck_cause`).
+_STUCK_CAUSE = {"min_scale": "gradients overflow at min_scale", "loss": "the loss is non-finite",
+                "other": "another cause"}  # fmt: skip
 
 
 #: groups whose results carry a scale trace (one value per optimizer step) to align and plot
@@ -129,9 +157,16 @@ def _observed(r: dict | None) -> str:
         return "-"
     if r["status"] == "skip":
         return "skip: " + (r.get("detail") or "")
+    if r["status"] == "error":
+        return "error: " + (r.get("detail") or "") + (f" (at {r['at']})" if r.get("at") else "")
     text = _fmt(r.get("observed"))
     grouped = r.get("group") in ("distributed", "accumulation")  # their text already shows the whole trace
-    if not grouped and r["status"] == "differs" and isinstance(r.get("observed"), dict) and "scales" in r["observed"]:
+    if (
+        not grouped
+        and r["status"] == "differs"
+        and isinstance(r.get("observed"), dict)
+        and "scales" in r["observed"]
+    ):
         at = plots.first_divergence(r["expected"].get("scales", []), r["observed"]["scales"])
         if at is not None:
             obs, exp = r["observed"]["scales"], r["expected"]["scales"]
@@ -146,6 +181,23 @@ def divergences(data: dict) -> list[dict]:
 
 def failures(data: dict) -> list[dict]:
     return [r for r in data["results"] if r["mode"] == "mpx" and r["status"] == "fail"]
+
+
+def errors(data: dict) -> list[dict]:
+    """Results whose adapter crashed (status ``error``), in both modes."""
+    return [r for r in data["results"] if r["status"] == "error"]
+
+
+def mpx_passes(data: dict) -> bool:
+    """Whether every mpx result passes or is skipped: no ``fail`` and no ``error`` (exit status 0)."""
+    return not any(r["mode"] == "mpx" and r["status"] in ("fail", "error") for r in data["results"])
+
+
+def _none_failed(data: dict) -> str:
+    mpx_errors = sum(1 for r in errors(data) if r["mode"] == "mpx")
+    if not mpx_errors:
+        return "none: every mpx result passes"
+    return f"none, but {mpx_errors} mpx result{'s' if mpx_errors != 1 else ''} errored (below)"
 
 
 def _findings(data: dict) -> list[dict]:
@@ -164,7 +216,8 @@ def terminal(data: dict) -> str:
     table = counts(data)
     width = max(12, *(len(g) for g in _groups(data)))
     head = f"{'group':<{width}} " + " ".join(f"{b + ' ' + m:>16}" for b, m in cols)
-    lines = ["", "conformance (✓ pass, ≠ differs from the mpx spec, ✗ fail, N skip: not applicable)", head,
+    lines = ["", "conformance (✓ pass, ≠ differs from the mpx spec, ✗ fail, N skip: not applicable, N error: "
+             "the adapter crashed)", head,
              "-" * len(head)]  # fmt: skip
     for g in _groups(data):
         lines.append(f"{g:<{width}} " + " ".join(f"{_cell(table[(g, b, m)]):>16}" for b, m in cols))
@@ -177,9 +230,13 @@ def terminal(data: dict) -> str:
         lines.append(f"  {f['severity']:<6} {f['backend']:<5} {f['title']}")
     fails = failures(data)
     lines.append("")
-    lines.append(f"mpx failures: {len(fails)}" + ("" if fails else " (every mpx result passes)"))
+    lines.append(f"mpx failures: {len(fails)}" + ("" if fails else f" ({_none_failed(data)})"))
     for r in fails:
         lines.append(f"  {r['backend']:<5} {r['case']}: {r['detail'] or _observed(r)}")
+    crashed = errors(data)
+    if crashed:
+        lines += ["", f"adapter errors: {len(crashed)} (the adapter crashed; not judged)"]
+        lines += [f"  {r['backend']:<5} {r['mode']:<6} {r['case']}: {_observed(r)}" for r in crashed]
     return "\n".join(lines)
 
 
@@ -220,7 +277,9 @@ def _trace_rows(data: dict, backend: str) -> list[tuple[str, list[float], list[f
             if not isinstance(spec, dict) or "scales" not in spec:
                 continue
             obs = (r or {}).get("observed")
-            native = obs.get("scales") if isinstance(obs, dict) and isinstance(obs.get("scales"), list) else None
+            native = (
+                obs.get("scales") if isinstance(obs, dict) and isinstance(obs.get("scales"), list) else None
+            )
             if native is not None or (r and r["status"] != "skip"):
                 rows.append((case, spec["scales"], native))
     return rows
@@ -234,7 +293,9 @@ def _plot_svgs(data: dict) -> list[tuple[str, str, str]]:
             continue
         rows = _numerics_rows(data, b)
         if rows:
-            out.append((f"numerics-{b}.svg", f"{b}: numerics error against tolerance", plots.numerics_svg(b, rows)))
+            out.append(
+                (f"numerics-{b}.svg", f"{b}: numerics error against tolerance", plots.numerics_svg(b, rows))
+            )
     for b, meta in data["backends"].items():
         if meta.get("skipped"):
             continue
@@ -253,7 +314,14 @@ def _aligned_traces(data: dict) -> list[tuple[str, list[str], list[list[str]], l
             natives = {b: row.get((b, "native")) for b in data["backends"]}
             traces = {b: r["observed"]["scales"] for b, r in natives.items()
                       if r and isinstance(r.get("observed"), dict) and isinstance(r["observed"].get("scales"), list)}  # fmt: skip
-            ref = next((r for r in row.values() if isinstance(r.get("expected"), dict) and "scales" in r["expected"]), None)
+            ref = next(
+                (
+                    r
+                    for r in row.values()
+                    if isinstance(r.get("expected"), dict) and "scales" in r["expected"]
+                ),
+                None,
+            )
             if ref is None or not any(natives[b] and natives[b]["status"] == "differs" for b in traces):
                 continue
             spec = ref["expected"]["scales"]
@@ -316,7 +384,12 @@ def markdown(data: dict, plot_dir: str = "plots") -> str:
         out.append(f"| {g} | " + " | ".join(_cell(table[(g, b, m)]) for b, m in cols) + " |")
     fails = failures(data)
     out += ["", f"## mpx failures ({len(fails)})", ""]
-    out += [f"- `{r['backend']}` `{r['case']}`: {r['detail']}" for r in fails] or ["none: every mpx result passes."]
+    out += [f"- `{r['backend']}` `{r['case']}`: {r['detail']}" for r in fails] or [_none_failed(data) + "."]
+    crashed = errors(data)
+    out += ["", f"## Adapter errors ({len(crashed)})", ""]
+    out += [f"- `{r['backend']}` {r['mode']} `{r['case']}`: {_md_escape(_observed(r))}" for r in crashed] or [
+        "none: every adapter ran every case."
+    ]
     out += ["", f"## Findings ({len(found)}, covering {len(divergences(data))} native divergences)", "",
             "| severity | kind | backend | finding | what it means | cases |", "|---|---|---|---|---|---|"]  # fmt: skip
     for f in found:
@@ -329,11 +402,18 @@ def markdown(data: dict, plot_dir: str = "plots") -> str:
     for case, head, rows, marks in _aligned_traces(data):
         out += ["", f"### `{case}`", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for cells, flags in zip(rows, marks, strict=True):
-            out.append("| " + " | ".join(f"**{c}**" if m else c for c, m in zip(cells, flags, strict=True)) + " |")
+            out.append(
+                "| " + " | ".join(f"**{c}**" if m else c for c, m in zip(cells, flags, strict=True)) + " |"
+            )
     specs = data.get("cases", {})
     out += ["", "## Cases", "", "Each cell: status and what was observed."]
     for g, rows_ in _by_case(data).items():
-        out += ["", f"### {g}", "", "| case | spec | expected | " + " | ".join(f"{b} {m}" for b, m in cols) + " |"]
+        out += [
+            "",
+            f"### {g}",
+            "",
+            "| case | spec | expected | " + " | ".join(f"{b} {m}" for b, m in cols) + " |",
+        ]
         out.append("|---|---|---|" + "---|" * len(cols))
         for case, row in rows_.items():
             ref = next(iter(row.values()))
@@ -350,6 +430,7 @@ _CSS = """
 body{font:14px/1.45 system-ui,sans-serif;margin:1.5em auto;max-width:1280px;color:#222;padding:0 1em}
 table{border-collapse:collapse;margin:.5em 0 1.5em}td,th{border:1px solid #ccc;padding:3px 8px;text-align:left;vertical-align:top}
 th{background:#f3f3f3}.pass{background:#e6f4ea}.differs{background:#fff4d6}.fail{background:#fbe0e0;font-weight:bold}
+.error{background:#e9d8fd;font-weight:bold}
 .skip{color:#777}code{font-size:12px}details{margin:.3em 0}summary{cursor:pointer;font-weight:600}
 .cards{display:flex;gap:1em;flex-wrap:wrap}.card{border:1px solid #ccc;border-radius:6px;padding:.6em 1em;flex:1 1 360px}
 .card h3{margin:.1em 0 .3em}.card ul{margin:.3em 0;padding-left:1.2em}.sev{font-weight:600;padding:0 .4em;border-radius:3px}
@@ -402,14 +483,20 @@ def html_report(data: dict) -> str:
         cells = []
         for b, m in cols:
             c = table[(g, b, m)]
-            cls = "fail" if c["fail"] else "differs" if c["differs"] else "pass" if c["pass"] else "skip"
+            cls = next((s for s in ("fail", "error", "differs", "pass") if c[s]), "skip")
             cells.append(f"<td class='{cls}'>{e(_cell(c))}</td>")
         p.append(f"<tr><td>{e(g)}</td>{''.join(cells)}</tr>")
     p.append("</table></section>")
     fails = failures(data)
     p.append(f"<section id='failures'><h2>mpx failures ({len(fails)})</h2>")
     p.append("<ul>" + "".join(f"<li class='fail'>{e(r['backend'])} <code>{e(r['case'])}</code>: {e(r['detail'])}</li>"
-                              for r in fails) + "</ul>" if fails else "<p>none: every mpx result passes.</p>")  # fmt: skip
+                              for r in fails) + "</ul>" if fails else f"<p>{e(_none_failed(data))}.</p>")  # fmt: skip
+    p.append("</section>")
+    crashed = errors(data)
+    p.append(f"<section id='errors'><h2>Adapter errors ({len(crashed)})</h2>")
+    p.append("<ul>" + "".join(f"<li class='error'>{e(r['backend'])} {r['mode']} <code>{e(r['case'])}</code>: "
+                              f"{e(_observed(r))}</li>" for r in crashed) + "</ul>"
+             if crashed else "<p>none: every adapter ran every case.</p>")  # fmt: skip
     p.append("</section>")
     p.append(f"<section id='findings'><h2>Findings ({len(found)}, covering {len(divergences(data))} native "
              "divergences)</h2><table><tr><th>severity</th><th>kind</th><th>backend</th><th>finding</th>"
@@ -422,7 +509,9 @@ def html_report(data: dict) -> str:
     p.append("</table></section>")
     p.append("<section id='plots'><h2>Plots</h2>")
     for name, caption, svg in _plot_svgs(data):
-        p.append(f"<figure id='plot-{e(name.removesuffix('.svg'))}'>{svg}<figcaption>{e(caption)}</figcaption></figure>")
+        p.append(
+            f"<figure id='plot-{e(name.removesuffix('.svg'))}'>{svg}<figcaption>{e(caption)}</figcaption></figure>"
+        )
     p.append("</section>")
     p.append("<section id='traces'><h2>Scale traces, aligned by step</h2><p>One row per step; highlighted cells "
              "differ from the spec.</p>")  # fmt: skip
@@ -447,7 +536,9 @@ def html_report(data: dict) -> str:
                 if r is None:
                     cells.append("<td>-</td>")
                     continue
-                cells.append(f"<td class='{r['status']}'>{e(_SYMBOL.get(r['status'], ''))} {e(_observed(r))}</td>")
+                cells.append(
+                    f"<td class='{r['status']}'>{e(_SYMBOL.get(r['status'], ''))} {e(_observed(r))}</td>"
+                )
             p.append(f"<tr><td><code>{e(case)}</code></td><td>{e(specs.get(case, {}).get('spec', ''))}</td>"
                      f"<td>{e(_fmt(ref['expected']))}</td>{''.join(cells)}</tr>")  # fmt: skip
         p.append("</table></details>")

@@ -1,7 +1,7 @@
 """``mpx conformance``: run every backend's worker in its own process and write the reports.
 
-Exit status: 0 when every mpx result passes, 1 when one fails (or a backend
-crashed), 2 for bad usage (an unknown backend, an ``--only`` that matches no case,
+Exit status: 0 when every mpx result passes, 1 when one fails or errors (its
+adapter crashed, or a backend's worker did: it cannot pass), 2 for bad usage (an unknown backend, an ``--only`` that matches no case,
 an ``--out`` that cannot be written), checked before any framework starts.
 
 Reports are written atomically (:func:`conformance.report.write_all`): a run that
@@ -146,7 +146,7 @@ def _run(backends: list[str], only: str | None, quiet: bool) -> dict:
                         "group": "worker",
                         "backend": backend,
                         "mode": "mpx",
-                        "status": "fail",
+                        "status": "error",
                         "expected": "the worker runs every case",
                         "observed": f"exit {code} after {seen} results",
                         "detail": tail[0][:300],
@@ -159,7 +159,9 @@ def _run(backends: list[str], only: str | None, quiet: bool) -> dict:
         "machine": platform.machine(),
         "seconds": round(time.monotonic() - started, 1),
         "backends": meta,
-        "cases": {c["id"]: {"group": c["group"], "spec": c["spec"], "params": c["params"]} for c in selected(only)},
+        "cases": {
+            c["id"]: {"group": c["group"], "spec": c["spec"], "params": c["params"]} for c in selected(only)
+        },
         "results": results,
     }
     return data
@@ -191,5 +193,4 @@ def main(args: argparse.Namespace) -> int:
     if out != args.out:
         print(f"mpx conformance: a worker crashed; {args.out} is left as it was", file=sys.stderr)
     print(f"reports: {out / 'report.json'}, {out / 'report.md'}, {out / 'report.html'}")
-    failed = [r for r in data["results"] if r["mode"] == "mpx" and r["status"] == "fail"]
-    return 1 if failed else 0
+    return 0 if report.mpx_passes(data) else 1

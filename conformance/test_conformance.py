@@ -195,3 +195,72 @@ def test_every_native_divergence_is_in_exactly_one_finding(data):
         assert f["kind"] in KINDS and f["severity"] in SEVERITIES and f["explanation"] and f["title"]
         assert "unexplained" not in f["topic"], f  # every scale trace is explained by named rules
 
+
+def test_no_adapter_errored(data):
+    assert [
+        (r["backend"], r["mode"], r["case"], r["detail"]) for r in data["results"] if r["status"] == "error"
+    ] == []
+
+
+#: Per backend, a case on which the framework itself raises natively (a finding, not an error).
+FRAMEWORK_RAISES = {
+    "torch": ("portability.resume_from_core", "KeyError: 'growth_factor'", "torch/amp/grad_scaler.py"),
+    "jax": ("ops.attention.mixed_float16.float16", "ValueError: The precision 'F16_F16_F32' is not supported",
+            "jax/_src/"),
+    "tf": ("policy.bf16-mixed", "ValueError: Cannot convert 'bf16-mixed'", "keras/src/dtype_policies/"),
+}  # fmt: skip
+#: Runs a crashing case (an op case without its policy: the adapter's own ``p["policy"]`` raises) and the
+#: framework's case through the real worker functions and adapter, in a process of its own.
+CRASH_SCRIPT = """
+import json, sys
+from conformance import cases as C, worker
+backend, framework_case = sys.argv[1:]
+worker.unfiltered_tracebacks(backend)
+adapter = worker.load_adapter(backend)
+worker.unfiltered_tracebacks(backend)
+cases = {c["id"]: c for c in C.all_cases()}
+op = cases["ops.softmax.mixed_float16.float16"]
+crash = dict(op, params={k: v for k, v in op["params"].items() if k != "policy"})
+print(json.dumps({mode: [worker.run_case(adapter, crash, mode, None),
+                         worker.run_case(adapter, cases[framework_case], mode, None)] for mode in worker.MODES}))
+"""
+
+
+@pytest.mark.parametrize("backend", list(FRAMEWORK_RAISES))
+def test_an_adapter_crash_is_an_error_and_a_framework_raise_a_divergence(backend):
+    import subprocess
+    import sys
+
+    from mpx._workers import ROOT, worker_env
+
+    if backend not in INSTALLED:
+        pytest.skip(f"{BACKENDS[backend]} is not installed")
+    case, message, where = FRAMEWORK_RAISES[backend]
+    # the bound only catches a hang: the framework's import and two cases take seconds
+    proc = subprocess.run([sys.executable, "-c", CRASH_SCRIPT, backend, case], cwd=ROOT, env=worker_env(),
+                          capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.splitlines()[-1])
+    for mode in ("native", "mpx"):
+        crashed = out[mode][0]
+        assert crashed["status"] == "error" and crashed["observed"] is None, crashed
+        assert crashed["detail"] == "KeyError: 'policy'"
+        assert crashed["at"].startswith(f"conformance/adapters/{backend}.py:"), crashed
+    native = out["native"][1]
+    assert native["status"] == "differs" and native["observed"]["raised"].startswith(message), native
+    assert where in native["at"] and native["detail"] == "raised " + native["observed"]["raised"]
+    assert out["mpx"][1]["status"] == "pass", out["mpx"][1]
+    rows = [{"case": c, "group": c.split(".")[0], "backend": backend, "mode": m, "expected": C_BY_ID[c]["expected"],
+             **r} for m in ("native", "mpx") for c, r in zip((OP_CASE, case), out[m], strict=True)]  # fmt: skip
+    data = {"mpx_version": mpx.__version__, "python": "3", "machine": "x", "seconds": 1.0,
+            "backends": {backend: {"version": "v", "device": "cpu", "seconds": 1.0}},
+            "cases": {c: {"group": C_BY_ID[c]["group"], "spec": C_BY_ID[c]["spec"], "params": C_BY_ID[c]["params"]}
+                      for c in (OP_CASE, case)}, "results": rows}  # fmt: skip
+    from conformance import findings
+
+    assert [f["cases"] for f in findings.findings(data)] == [[case]]  # the crash is no finding
+    assert not report.mpx_passes(data)  # an mpx result errored: exit status 1
+
+
+OP_CASE = "ops.softmax.mixed_float16.float16"
+C_BY_ID = {c["id"]: c for c in C.all_cases()}

@@ -6,6 +6,7 @@ by the mpx core (a scaler with a bound removed reproduces torch's trace exactly)
 
 from __future__ import annotations
 
+import html
 import json
 import re
 
@@ -269,3 +270,61 @@ def test_policies_are_counted_in_words():
     )  # was "11 policyies"
     other = F._explain("tf", "default differs", "other:models", rows[:2])
     assert other[0] == "Keras: 2 other divergences in policy" and other[2] == {}
+
+
+STUCK = "scaler.stuck.gradients_at_min_scale"
+ERROR = {"detail": "KeyError: 'policy'", "at": "conformance/adapters/torch.py:114 in run_op"}
+
+
+def _with_errors_and_stuck() -> dict:
+    """The sample, plus both stuck cases (one fails under mpx) and a case whose adapter crashed in both modes."""
+    rows = _sample()["results"]
+    rows.append({**_row(STUCK, "torch", "native", "skip", None), "detail": "no stuck detection"})
+    rows.append(_row(STUCK, "torch", "mpx", "pass", CASES[STUCK]["expected"]))
+    rows.append(
+        _row("scaler.stuck.nonfinite_loss", "torch", "mpx", "fail", {"raised_at": None, "cause": None})
+    )
+    for mode in ("native", "mpx"):
+        rows.append({**_row("ops.exp.mixed_float16.float16", "torch", mode, "error", None), **ERROR})
+    return _data(rows)
+
+
+def test_an_adapter_error_is_shown_as_such_and_never_a_finding():
+    data = _with_errors_and_stuck()
+    assert F.findings(data) == F.findings(_sample())  # errors add no finding and change none
+    assert report.mpx_passes(_sample()) and not report.mpx_passes(data)
+    crashed = {**_row("ops.exp.mixed_float16.float16", "torch", "mpx", "error", None), **ERROR}
+    assert not report.mpx_passes(_data([crashed])) and report.mpx_passes(
+        _data([{**crashed, "mode": "native"}])
+    )
+    assert "mpx failures: 0 (none, but 1 mpx result errored (below))" in report.terminal(_data([crashed]))
+    assert "none, but 1 mpx result errored (below)." in report.markdown(_data([crashed]))
+    cell = "error: KeyError: 'policy' (at conformance/adapters/torch.py:114 in run_op)"
+    text, md, page = report.terminal(data), report.markdown(data), report.html_report(data)
+    (ops_line,) = [line for line in text.splitlines() if line.startswith("ops ")]
+    assert ops_line.split()[1:] == ["5≠", "1", "error", "5✓", "1", "error"]
+    assert "adapter errors: 2 (the adapter crashed; not judged)" in text
+    assert f"torch native ops.exp.mixed_float16.float16: {cell}" in " ".join(text.split())
+    assert "| ops | 5≠ 1 error | 5✓ 1 error |" in md and "## Adapter errors (2)" in md
+    assert f"- `torch` mpx `ops.exp.mixed_float16.float16`: {cell}" in md
+    assert "<h2>Adapter errors (2)</h2>" in page and "<td class='error'>5≠ 1 error</td>" in page
+    assert page.count(f"<td class='error'> {html.escape(cell, quote=False)}</td>") == 2
+    assert f"| `ops.exp.mixed_float16.float16` | {CASES['ops.exp.mixed_float16.float16']['spec']}" in md
+    assert md.count(cell) == 4  # the case table and the error list
+
+
+def test_every_case_cell_is_text_not_json():
+    data = _with_errors_and_stuck()
+    page, md = report.html_report(data), report.markdown(data)
+    cells = re.findall(r"<td[^>]*>(.*?)</td>", page.split("id='cases'")[1])
+    md_cells = [c.strip() for line in md.split("## Cases")[1].splitlines() if line.startswith("| `")
+                for c in line.split(" | ")[2:]]  # fmt: skip
+    assert cells and md_cells
+    for text in cells + md_cells:
+        assert "{" not in text and '"' not in text, text
+    (stuck,) = [line for line in md.splitlines() if line.startswith(f"| `{STUCK}`")]
+    assert stuck.split(" | ")[2:] == ["stuck at step 5: gradients overflow at min_scale", "skip: no stuck detection",
+                                      "✓ stuck at step 5: gradients overflow at min_scale |"]  # fmt: skip
+    assert "✗ never stuck" in md and "✗ never stuck" in page
+    assert "stuck at step 3: the loss is non-finite" in page
+    assert report._fmt({"a": [1, 2.5], "b": True, "c": None}) == "a 1, 2.5; b yes; c -"

@@ -6,6 +6,20 @@ With ``--save-states`` the worker only writes ``DIR/BACKEND.json``, the scaler
 state its backend saves after the portability prefix, for the other backends
 to resume from.  Otherwise it prints ``{"type": "info", ...}`` then one
 ``{"type": "result", ...}`` line per case and mode.
+
+A case that raises is judged by who raised it (:func:`blame`, the innermost frame that is not the
+standard library's):
+
+- the framework (natively) or mpx or the framework (under mpx): what the case observed, so natively
+  ``differs`` (a finding: the framework cannot do this) and under mpx ``fail``;
+- the adapter itself (``conformance/``), or mpx's code in a native run: an ``error``, with the
+  exception's line in ``detail`` and where it was raised in ``at``.  An error is the harness's
+  failure, never a finding against the framework; under mpx it fails the run (exit status 1).
+
+The frameworks' own traceback filters (JAX's, Keras's, TensorFlow's) are turned off in the worker,
+so their frames stay visible to :func:`blame`.  A framework function implemented in C that raises
+on an adapter's line leaves no frame of its own, so it is blamed on the adapter; an adapter that
+expects such a call to raise catches it and returns ``{"raised": ...}`` (:func:`raised`).
 """
 
 from __future__ import annotations
@@ -14,7 +28,9 @@ import argparse
 import importlib
 import json
 import math
+import os
 import sys
+import sysconfig
 import time
 import traceback
 from pathlib import Path
@@ -22,9 +38,80 @@ from typing import Any
 
 from conformance import cases as C
 from conformance.adapters._common import Skip
-from mpx._workers import BACKENDS
+from mpx._workers import BACKENDS, ROOT
 
 MODES = ("native", "mpx")
+#: Result statuses: ``error`` is a crash of the adapter (the harness), never the framework's or mpx's verdict.
+STATUSES = ("pass", "differs", "fail", "skip", "error")
+_STDLIB = tuple({str(Path(sysconfig.get_paths()[k]).resolve()) for k in ("stdlib", "platstdlib")})
+
+
+def _origin(filename: str) -> str:
+    """``stdlib``, ``adapter`` (conformance/), ``mpx`` (mpx's packages) or ``framework`` for a frame's file."""
+    if filename.startswith("<frozen "):
+        return "stdlib"
+    path = Path(filename).resolve()
+    try:
+        first = path.relative_to(ROOT).parts[0]
+    except (ValueError, IndexError):
+        first = ""
+    if first == "conformance":
+        return "adapter"
+    if first.startswith("mpx"):
+        return "mpx"
+    text = str(path)
+    if text.startswith(_STDLIB) and not {"site-packages", "dist-packages"} & set(path.parts):
+        return "stdlib"
+    return "framework"
+
+
+def blame(err: BaseException) -> tuple[str, str]:
+    """Who raised ``err`` and where: (``adapter``, ``mpx`` or ``framework``; ``FILE:LINE in FUNCTION``).
+
+    The innermost frame of its traceback that is not the standard library's decides; a traceback of
+    standard-library frames only is the adapter's (it called them).
+    """
+    frames = traceback.extract_tb(err.__traceback__)
+    for frame in reversed(frames):
+        origin = _origin(frame.filename)
+        if origin != "stdlib":
+            return origin, _where(frame)
+    return "adapter", _where(frames[-1]) if frames else "?"
+
+
+def _where(frame: traceback.FrameSummary) -> str:
+    path = Path(frame.filename)
+    try:
+        path = path.resolve().relative_to(ROOT)
+    except ValueError:
+        pass
+    return f"{path}:{frame.lineno} in {frame.name}"
+
+
+def exception_line(err: BaseException) -> str:
+    """``Type: message`` of ``err`` (the traceback's last line, without notes), at most 300 characters."""
+    lines = traceback.format_exception_only(type(err), err)
+    notes = getattr(err, "__notes__", None) or []
+    kept = lines[: len(lines) - len(notes)] if notes and len(lines) > len(notes) else lines
+    return "".join(kept).strip()[:300]
+
+
+def raised(err: BaseException) -> dict:
+    """The observation of a framework call that raised ``err``: ``{"raised": "Type: message"}``."""
+    return {"raised": exception_line(err)}
+
+
+def unfiltered_tracebacks(backend: str) -> None:
+    """Turn off the framework's traceback filtering, so :func:`blame` sees its frames.
+
+    JAX reads ``JAX_TRACEBACK_FILTERING`` when it is imported (call this first); Keras and
+    TensorFlow are switched off through their public config once imported.
+    """
+    os.environ["JAX_TRACEBACK_FILTERING"] = "off"
+    if backend == "tf" and "keras" in sys.modules:
+        sys.modules["keras"].config.disable_traceback_filtering()
+    if backend == "tf" and "tensorflow" in sys.modules:
+        sys.modules["tensorflow"].debugging.disable_traceback_filtering()
 
 
 def load_adapter(backend: str) -> Any:
@@ -37,7 +124,10 @@ def judge(case: C.Case, observed: Any) -> bool:
     if case["kind"] in ("numerics", "op_value"):
         err = observed.get("max_rel_error")
         return isinstance(err, float) and math.isfinite(err) and err <= expected["max_rel_error_at_most"]
-    if case["kind"] in ("distributed", "accumulation"):  # observations also name the engine, per-replica traces
+    if case["kind"] in (
+        "distributed",
+        "accumulation",
+    ):  # observations also name the engine, per-replica traces
         return isinstance(observed, dict) and {k: observed.get(k) for k in expected} == expected
     return observed == expected
 
@@ -62,10 +152,13 @@ def run_case(adapter: Any, case: C.Case, mode: str, states: Path | None) -> dict
         observed = getattr(adapter, f"run_{case['kind']}")(params, mode)
     except Skip as why:
         return {"status": "skip", "observed": None, "detail": str(why)}
-    except Exception as err:  # a crash is a finding natively and a failure under mpx
-        tb = traceback.format_exception_only(type(err), err)[-1].strip()
+    except Exception as err:  # see the module docstring: who raised decides
+        who, where = blame(err)
+        line = exception_line(err)
+        if who == "adapter" or (who == "mpx" and mode == "native"):
+            return {"status": "error", "observed": None, "detail": line, "at": where}
         status = "differs" if mode == "native" else "fail"
-        return {"status": status, "observed": {"raised": tb[:300]}, "detail": f"raised {tb[:300]}"}
+        return {"status": status, "observed": {"raised": line}, "detail": f"raised {line}", "at": where}
     ok = judge(case, observed)
     status = "pass" if ok else ("differs" if mode == "native" else "fail")
     detail = "" if ok else f"spec: {case['spec']}; observed {json.dumps(observed)[:300]}"
@@ -87,7 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default=None, help="run only cases whose id starts with one of these "
                         "comma-separated prefixes")  # fmt: skip
     args = parser.parse_args(argv)
+    unfiltered_tracebacks(args.backend)
     adapter = load_adapter(args.backend)
+    unfiltered_tracebacks(args.backend)
     if args.save_states:
         args.states.mkdir(parents=True, exist_ok=True)
         state = adapter.save_state(dict(C.PORTABILITY_CONFIG), list(C.PORTABILITY_PREFIX))

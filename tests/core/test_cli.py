@@ -177,7 +177,7 @@ def test_only_matching_nothing_stops_before_any_worker_and_keeps_the_report(tmp_
 
 def test_a_crashed_worker_never_replaces_a_good_report(tmp_path, monkeypatch):
     """A real worker process that dies (here: a backend name its argument parser refuses, so no framework loads)."""
-    from conformance import runner
+    from conformance import report, runner
 
     monkeypatch.setattr(runner, "is_installed", lambda backend: True)
     before = _good_report(tmp_path / "rep")
@@ -186,8 +186,10 @@ def test_a_crashed_worker_never_replaces_a_good_report(tmp_path, monkeypatch):
     assert data["out"] == str(tmp_path / "rep.failed")
     saved = json.loads((tmp_path / "rep.failed" / "report.json").read_text())
     (crash,) = [r for r in saved["results"] if r["case"] == "worker"]
-    assert crash["status"] == "fail" and crash["observed"].startswith("exit 2 after 0 results")
+    assert crash["status"] == "error" and crash["observed"].startswith("exit 2 after 0 results")
     assert "invalid choice: 'bogus'" in crash["detail"]
+    assert not report.mpx_passes(data)  # a crashed worker cannot pass: exit status 1
+    assert "adapter errors: 1" in report.terminal(data)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rep", "rep.failed"]
 
 
