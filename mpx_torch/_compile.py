@@ -17,7 +17,7 @@ import torch
 
 from mpx_torch import _compat
 
-__all__ = ["compiling", "eager_under_dynamo", "make_eager"]
+__all__ = ["compiling", "eager_under_dynamo", "frame_skipped", "make_eager"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -75,6 +75,18 @@ def eager_under_dynamo(method: _F | None = None, *, recursive: bool = True) -> A
 
     _EAGER.append(make)
     return wrapper  # type: ignore[return-value]
+
+
+def frame_skipped(function: _F) -> _F:
+    """``function`` unchanged; once :func:`make_eager` ran, dynamo never compiles its frame (its callees it does).
+
+    For the helpers of ``GradScaler.step`` (``recursive=False``): like the
+    method's own frame, theirs hold per-step Python state (the optimizer's
+    record) that a compiled frame would guard on, while the optimizer's step
+    they call compiles.
+    """
+    _EAGER.append(lambda: _compat.dynamo_skip_code(function.__code__))
+    return function
 
 
 def make_eager() -> None:

@@ -13,13 +13,12 @@ from typing import Any
 
 from mpx import (
     SCALE_FLOOR,
-    Policy,
     PolicyError,
     ScalerConfig,
     ScalerConfigError,
     ScalerState,
     StateDictError,
-    get_policy,
+    as_scaler_config,
     state_dict,
 )
 from mpx.scaling import _finite_float, _is_int, _show, f32
@@ -32,24 +31,16 @@ _DEVICE_NAMES = ("cpu", "cuda", "mps", "xpu", "hpu", "mtia", "meta", "xla", "pri
 
 
 def as_config(config: Any) -> ScalerConfig:
-    """A GradScaler's ``config`` argument as an :class:`mpx.ScalerConfig`."""
-    if config is None:
-        return ScalerConfig()
-    if isinstance(config, ScalerConfig):
-        return config
+    """A GradScaler's ``config`` argument as an :class:`mpx.ScalerConfig` (:func:`mpx.as_scaler_config`).
+
+    A device name first (``GradScaler("cuda")``, torch's argument order) gets its own error.
+    """
     if isinstance(config, str) and config.split(":")[0] in _DEVICE_NAMES:
         raise PolicyError(
             f"config: {config!r} is a device, not a scaler config or policy; torch.amp.GradScaler takes the "
             f"device first, mpx_torch.GradScaler takes it second: GradScaler(device={config!r})"
         )
-    if isinstance(config, Mapping) and "kind" in config:  # ScalerConfig.to_dict()
-        return ScalerConfig.from_dict(config)
-    if isinstance(config, (Policy, str, Mapping)):
-        return ScalerConfig.for_policy(get_policy(config))
-    raise ScalerConfigError(
-        f"config: expected an mpx.ScalerConfig, a policy (mpx.Policy or spec string) or None, "
-        f"got {type(config).__name__}"
-    )
+    return as_scaler_config(config)
 
 
 def native_to_neutral(data: Mapping[str, Any]) -> dict[str, Any]:

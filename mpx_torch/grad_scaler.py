@@ -23,10 +23,8 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
-import warnings
 from collections import abc, defaultdict
 from collections.abc import Iterable, Mapping
-from enum import Enum
 from typing import Any
 
 import torch
@@ -35,11 +33,11 @@ import mpx
 from mpx import (
     MPXError,
     Policy,
-    PolicyError,
     ScalerConfig,
     ScalerConfigError,
     ScalerState,
     StateDictError,
+    UnsupportedTypeError,
     load_state_dict,
     scaler_init,
     state_dict,
@@ -48,38 +46,47 @@ from mpx.scaling import _finite_float, f32
 from mpx_torch import _compat
 from mpx_torch._compile import eager_under_dynamo, make_eager
 from mpx_torch._device_state import DeviceState as _DeviceState
+from mpx_torch._optimizer_step import (
+    OptimizerStep,
+    OptState,
+    step_fused,
+    step_grad_scaler_kwarg,
+    step_plain,
+    unscale_grads,
+)
 from mpx_torch._scaler_state import NATIVE_KEYS, as_config, native_to_neutral
 from mpx_torch.distributed import agree_found_inf, check_process_group, group_to_agree
-from mpx_torch.history import HistoryBuffer, check_stuck, loss_finite_flag
+from mpx_torch.history import HistoryBuffer, loss_finite_flag
 
-__all__ = ["GradScaler", "OptState"]
-
-
-class OptState(Enum):
-    """Where one optimizer is in the current iteration (as in torch)."""
-
-    READY = 0
-    UNSCALED = 1
-    STEPPED = 2
+__all__ = ["GradScaler", "OptState", "OptimizerStep"]
 
 
-def _refresh_per_optimizer_state() -> dict[str, Any]:
-    # agreed: found_inf_per_device already holds the flag combined over the process group
-    return {"stage": OptState.READY, "found_inf_per_device": {}, "agreed": False}
+def _checked(optimizer: Any) -> torch.optim.Optimizer:
+    """``optimizer``, when it is a torch optimizer (``param_groups`` and ``step``, as torch's code reads)."""
+    if not (
+        isinstance(getattr(optimizer, "param_groups", None), list)
+        and callable(getattr(optimizer, "step", None))
+    ):
+        raise UnsupportedTypeError(
+            f"optimizer: expected a torch.optim.Optimizer (an object with param_groups and step()), got "
+            f"{type(optimizer).__name__}."
+        )
+    return optimizer
 
 
-def _has_fresh_state(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether some parameter with a gradient has no optimizer state yet (its first step)."""
-    state = optimizer.state
-    if len(state) >= sum(len(group["params"]) for group in optimizer.param_groups):
-        return False  # every parameter has its state: the common case, without a loop over parameters
-    return any(
-        p.grad is not None and p not in state for group in optimizer.param_groups for p in group["params"]
-    )
+class GradScaler(torch.amp.GradScaler):
+    """A drop-in for ``torch.amp.GradScaler`` (a subclass of it) that runs the mpx loss-scaling state machine.
 
-
-class GradScaler:
-    """A drop-in for ``torch.amp.GradScaler`` that runs the mpx loss-scaling state machine.
+    ``isinstance(scaler, torch.amp.GradScaler)`` holds, so torch's optimizer
+    protocols and the libraries that accept a user's scaler take it.  Every
+    public method of torch's class is overridden, and so are the private
+    helpers torch's own code calls (``_unscale_grads_``,
+    ``_check_inf_per_device``, ``_found_inf_per_device``, ``_get_scale_async``,
+    ``_get_growth_tracker``); ``_scale`` and ``_growth_tracker`` are read-only
+    views of the mpx device state.  Torch's ``__init__`` is not called (it
+    takes the device first and would set those two names); its other private
+    attributes (``_init_scale``, ``_growth_factor``...) do not exist here: the
+    configuration is :attr:`config`.
 
     Args:
         config: an :class:`mpx.ScalerConfig` (or its ``to_dict()`` form); a
@@ -138,6 +145,9 @@ class GradScaler:
         enabled: bool = True,
         process_group: Any = None,
     ) -> None:
+        # torch.amp.GradScaler.__init__ is not called: it takes the device first, disables a "cuda" scaler
+        # on a machine without CUDA, and sets the attributes that are properties here (_scale,
+        # _growth_tracker); every method it would set up is overridden (see the class docs)
         self._config = as_config(config)
         self._process_group = check_process_group(process_group)
         make_eager()  # compiled steps call the scaler's methods eagerly (mpx_torch._compile)
@@ -150,7 +160,7 @@ class GradScaler:
         self._enabled = bool(enabled)
         self._host: ScalerState = scaler_init(self._config)
         self._tensors: _DeviceState | None = None
-        self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(_refresh_per_optimizer_state)
+        self._per_optimizer_states: defaultdict[int, OptimizerStep] = defaultdict(OptimizerStep)
         self._history: HistoryBuffer | int | None = None  # an int: the capacity, until the device is known
         self._loss_finite: torch.Tensor | None = None  # set by scale() only with max_consecutive_skips
 
@@ -212,7 +222,9 @@ class GradScaler:
             if isinstance(val, abc.Iterable):
                 mapped = map(apply, val)
                 return type(val)(mapped) if isinstance(val, (list, tuple)) else mapped
-            raise ValueError("outputs must be a Tensor or an iterable of Tensors")
+            raise UnsupportedTypeError(
+                f"outputs: expected a torch.Tensor or an iterable of Tensors, got {type(val).__name__}."
+            )
 
         return apply(outputs)
 
@@ -222,51 +234,9 @@ class GradScaler:
         inv_scale: torch.Tensor,
         found_inf: torch.Tensor,
         allow_fp16: bool,
-        check_unscaled: bool = False,
     ) -> dict[torch.device, torch.Tensor]:
-        """Unscale in place, recording non-finite values in ``found_inf`` per device (torch's helper).
-
-        ``check_unscaled``: test the unscaled gradients too (a second pass, no sync), for a scale
-        below 1, where dividing a finite gradient by it can overflow.
-        """
-        per_device_inv: dict[torch.device, torch.Tensor] = {}
-        per_device_found: dict[torch.device, torch.Tensor] = {}
-        grads: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(
-            lambda: defaultdict(list)
-        )
-        with torch.no_grad():
-            for group in optimizer.param_groups:
-                for param in group["params"]:
-                    if param.grad is None:
-                        continue
-                    if not allow_fp16 and param.grad.dtype == torch.float16:
-                        raise PolicyError(
-                            "Attempting to unscale FP16 gradients.  The parameters are stored in float16 "
-                            "(a pure float16 policy such as 'float16' or '16-true'), and loss scaling needs "
-                            "float32 master weights: prepare the model with 'mixed_float16' "
-                            "(params=float32,compute=float16), or use GradScaler(ScalerConfig(kind='none'))."
-                        )
-                    if param.grad.is_sparse:
-                        if param.grad.dtype is torch.float16:
-                            param.grad = param.grad.coalesce()
-                        to_unscale = _compat.sparse_values(param.grad)
-                    else:
-                        to_unscale = param.grad
-                    grads[to_unscale.device][to_unscale.dtype].append(to_unscale)
-            for device, per_dtype in grads.items():
-                if device not in per_device_found:
-                    per_device_found[device] = found_inf.to(device, non_blocking=True, copy=True)
-                    per_device_inv[device] = inv_scale.to(device, non_blocking=True, copy=True)
-                for group_grads in per_dtype.values():
-                    _compat.foreach_non_finite_check_and_unscale_(
-                        group_grads, per_device_found[device], per_device_inv[device]
-                    )
-                    if check_unscaled:  # times 1: a check only
-                        one = torch.ones_like(per_device_inv[device])
-                        _compat.foreach_non_finite_check_and_unscale_(
-                            group_grads, per_device_found[device], one
-                        )
-        return per_device_found
+        """torch's helper (same signature): unscale in place, returning the non-finite flags per device."""
+        return unscale_grads(_checked(optimizer), inv_scale, found_inf, allow_fp16=allow_fp16)
 
     @eager_under_dynamo
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
@@ -281,40 +251,47 @@ class GradScaler:
         Raises:
             RuntimeError: when called twice since the last :meth:`update`, or after :meth:`step`.
             mpx.PolicyError: for float16 gradients (a pure float16 policy), unless the kind is ``none``.
+            mpx.UnsupportedTypeError: for an ``optimizer`` that is not a torch optimizer.
         """
         if self._passthrough():
             return
         tensors = self._check_initialized("unscale_")
-        optimizer_state = self._per_optimizer_states[id(optimizer)]
-        if optimizer_state["stage"] is OptState.UNSCALED:
+        record = self._per_optimizer_states[id(_checked(optimizer))]
+        if record.stage is OptState.UNSCALED:
             raise RuntimeError(
                 "unscale_() has already been called on this optimizer since the last update()."
             )
-        if optimizer_state["stage"] is OptState.STEPPED:
+        if record.stage is OptState.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
         # as torch: the reciprocal in float64, then float32
         inv_scale = tensors.scale.double().reciprocal().float()
         found_inf = torch.zeros((), dtype=torch.float32, device=tensors.device)
-        optimizer_state["found_inf_per_device"] = self._unscale_grads_(
+        record.found_inf_per_device = unscale_grads(
             optimizer,
             inv_scale,
             found_inf,
             allow_fp16=self._config.kind == "none",
             check_unscaled=self._config.scale_can_drop_below_one,
         )
-        optimizer_state["stage"] = OptState.UNSCALED
+        record.stage = OptState.UNSCALED
+
+    def optimizer_stage(self, optimizer: torch.optim.Optimizer) -> OptState:
+        """Where ``optimizer`` is in this iteration: ``READY``, ``UNSCALED`` (by :meth:`unscale_`) or ``STEPPED``."""
+        record = self._per_optimizer_states.get(id(optimizer))
+        return OptState.READY if record is None else record.stage
 
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
+        """torch's helper: check the gradients (without unscaling) and record the flags for ``optimizer``."""
         tensors = self._check_initialized("_check_inf_per_device")
         one = torch.ones((), dtype=torch.float32, device=tensors.device)
         found_inf = torch.zeros((), dtype=torch.float32, device=tensors.device)
-        found = self._unscale_grads_(optimizer, one, found_inf, allow_fp16=True)
-        self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = found
+        found = unscale_grads(_checked(optimizer), one, found_inf, allow_fp16=True)
+        self._per_optimizer_states[id(optimizer)].found_inf_per_device = found
         return found
 
     def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
         """The found-inf flags recorded for ``optimizer`` (torch's helper for ``grad_scaler=`` optimizers)."""
-        return self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        return self._per_optimizer_states[id(optimizer)].found_inf_per_device
 
     @eager_under_dynamo(recursive=False)  # the optimizer's step compiles, as under torch's GradScaler
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
@@ -322,98 +299,43 @@ class GradScaler:
 
         ``*args``/``**kwargs`` go to ``optimizer.step``; returns what it
         returns, or None for a skipped step.  A skipped step leaves parameters
-        and optimizer state untouched.  A non-fused optimizer costs one host
-        sync (as in torch); fused ones get ``grad_scale`` and ``found_inf``.
-        Across ranks (see ``process_group``) the flag is combined over the
-        group first, so every rank takes the same decision.  (An optimizer
-        with torch's legacy ``grad_scaler=`` step argument decides by itself;
-        its flags are combined in :meth:`update`.)
+        and optimizer state untouched.  Torch's three protocols
+        (:mod:`mpx_torch._optimizer_step`): an ordinary optimizer costs one
+        host sync (as in torch); a fused one (``_step_supports_amp_scaling``)
+        gets ``grad_scale`` and ``found_inf``; one whose ``step`` takes
+        ``grad_scaler=`` gets the scaler and decides by itself (its flags are
+        combined in :meth:`update`).  Across ranks (see ``process_group``) the
+        flag is combined over the group first, so every rank takes the same
+        decision.
 
         Raises:
             RuntimeError: for a ``closure`` argument, or when called twice since the last :meth:`update`.
+            mpx.UnsupportedTypeError: for an ``optimizer`` that is not a torch optimizer.
         """
         if self._passthrough():
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
         tensors = self._check_initialized("step")
-        optimizer_state = self._per_optimizer_states[id(optimizer)]
-        if optimizer_state["stage"] is OptState.STEPPED:
+        record = self._per_optimizer_states[id(_checked(optimizer))]
+        if record.stage is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
-
+        protocol = step_plain
         if _compat.step_supports_amp_scaling(optimizer):
-            if "grad_scaler" in inspect.signature(optimizer.step).parameters:
-                # torch's older protocol: the optimizer gets the scaler and does its own unscaling,
-                # checks and skipping (with _check_inf_per_device, _found_inf_per_device, unscale_)
-                warnings.warn(
-                    "GradScaler is going to stop passing itself as a keyword argument to the passed "
-                    "optimizer. In the near future GradScaler registers `grad_scale: Tensor` and "
-                    "`found_inf: Tensor` to the passed optimizer and let the optimizer use them directly.",
-                    FutureWarning,
-                    stacklevel=2,
-                )
-                retval = optimizer.step(*args, **{**kwargs, "grad_scaler": self})
-                optimizer_state["stage"] = OptState.STEPPED
-                return retval
-            if optimizer_state["stage"] is OptState.READY:
-                if self._config.scale_can_drop_below_one:
-                    # the fused kernel would unscale unchecked: unscale (and check) here instead
-                    self.unscale_(optimizer)
-                else:
-                    self._check_inf_per_device(optimizer)
-            self._agree(optimizer_state, tensors)
-            found_inf = sum(
-                t.to(tensors.device, non_blocking=True)
-                for t in optimizer_state["found_inf_per_device"].values()
-            )
-            if not isinstance(found_inf, torch.Tensor):
-                found_inf = torch.zeros((), dtype=torch.float32, device=tensors.device)
-            if not self._config.skip_nonfinite:
-                found_inf = torch.zeros_like(found_inf)
-            elif _has_fresh_state(optimizer) and found_inf.item():
-                # a fused step would create the state of a first step even when skipping it: this
-                # step (before any state exists) syncs once, and a skip leaves the state uncreated
-                optimizer_state["stage"] = OptState.STEPPED
-                return None
-            optimizer.grad_scale = (  # type: ignore[attr-defined]
-                getattr(optimizer, "grad_scale", None)
-                if optimizer_state["stage"] is OptState.UNSCALED
-                else tensors.scale * getattr(optimizer, "grad_scale", 1)
-            )
-            optimizer.found_inf = found_inf  # type: ignore[attr-defined]
-            try:
-                retval = optimizer.step(*args, **kwargs)
-            finally:
-                del optimizer.grad_scale  # type: ignore[attr-defined]
-                del optimizer.found_inf  # type: ignore[attr-defined]
-            optimizer_state["stage"] = OptState.STEPPED
-            return retval
-
-        if optimizer_state["stage"] is OptState.READY:
-            self.unscale_(optimizer)
-        if len(optimizer_state["found_inf_per_device"]) == 0:
-            raise AssertionError("No inf checks were recorded for this optimizer.")
-        self._agree(optimizer_state, tensors)
-        retval = None
-        if not self._config.skip_nonfinite or not sum(
-            v.item() for v in optimizer_state["found_inf_per_device"].values()
-        ):
-            retval = optimizer.step(*args, **kwargs)
-        optimizer_state["stage"] = OptState.STEPPED
-        return retval
+            takes_scaler = "grad_scaler" in inspect.signature(optimizer.step).parameters
+            protocol = step_grad_scaler_kwarg if takes_scaler else step_fused
+        return protocol(self, optimizer, record, tensors, args, kwargs)
 
     @eager_under_dynamo  # called by step(), whose callees dynamo compiles: nothing here is traced
-    def _agree(self, optimizer_state: dict[str, Any], tensors: _DeviceState) -> None:
+    def _agree(self, record: OptimizerStep, tensors: _DeviceState) -> None:
         """Replace the optimizer's found-inf flags by one combined over the process group (once a step)."""
-        if optimizer_state["agreed"]:
+        if record.agreed:
             return
         group = group_to_agree(self._process_group)
         if group is not None:
-            flags = optimizer_state["found_inf_per_device"].values()
-            optimizer_state["found_inf_per_device"] = {
-                tensors.device: agree_found_inf(flags, tensors.device, group)
-            }
-        optimizer_state["agreed"] = True
+            flags = record.found_inf_per_device.values()
+            record.found_inf_per_device = {tensors.device: agree_found_inf(flags, tensors.device, group)}
+        record.agreed = True
 
     @eager_under_dynamo
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
@@ -454,13 +376,13 @@ class GradScaler:
         else:
             found_infs = [
                 found_inf.to(device=tensors.device, non_blocking=True)
-                for state in self._per_optimizer_states.values()
-                for found_inf in state["found_inf_per_device"].values()
+                for record in self._per_optimizer_states.values()
+                for found_inf in record.found_inf_per_device.values()
             ]
             if not found_infs:
                 raise AssertionError("No inf checks were recorded prior to update.")
             group = None
-            if not all(state["agreed"] for state in self._per_optimizer_states.values()):
+            if not all(record.agreed for record in self._per_optimizer_states.values()):
                 group = group_to_agree(self._process_group)  # unscale_() without step(): agree here
             if group is not None:
                 combined = agree_found_inf(found_infs, tensors.device, group)
@@ -472,9 +394,20 @@ class GradScaler:
                     self._history = HistoryBuffer(self._history, tensors.device)
                 self._history.record(tensors)
             if self._config.max_consecutive_skips is not None:
-                loss_finite, self._loss_finite = self._loss_finite, None
-                check_stuck(self._config, tensors, loss_finite)
-        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+                self._check_stuck(tensors)
+        self._per_optimizer_states = defaultdict(OptimizerStep)
+
+    def _check_stuck(self, tensors: _DeviceState) -> None:
+        """:func:`mpx.check_stuck` after an update: one host read of the scale, the count and the loss flag."""
+        loss_finite, self._loss_finite = self._loss_finite, None
+        if loss_finite is None:  # -1: unknown (no loss was scaled, or it held no tensor)
+            flag = torch.full((), -1.0, dtype=torch.float64, device=tensors.device)
+        else:
+            flag = loss_finite.to(device=tensors.device, dtype=torch.float64)
+        values = torch.stack([tensors.scale.double(), tensors.consecutive_nonfinite.double(), flag])
+        scale, consecutive, finite = values.tolist()
+        # stacklevel: the warning points at the caller of update() (past the method and its eager wrapper)
+        mpx.check_stuck(self._config, scale, int(consecutive), int(finite), stacklevel=4)
 
     # -- history (mpx_torch.history) ------------------------------------------------------
     def record_history(self, enabled: bool = True, *, capacity: int = 65536) -> None:
@@ -593,6 +526,45 @@ class GradScaler:
                 state_dict = native_to_neutral(state_dict)
         config, state = load_state_dict(state_dict)  # every check first: below, nothing can fail
         self._set_config(config, state)
+
+    # -- torch.amp.GradScaler's private surface, read from the mpx state ---------------------------
+    @property
+    def _scale(self) -> torch.Tensor | None:
+        """torch's name for the scale tensor (float32, on the scaler's device; None before the first scale)."""
+        return None if self._tensors is None else self._tensors.scale
+
+    @property
+    def _growth_tracker(self) -> torch.Tensor | None:
+        """torch's name for the growth-tracker tensor (int32; None before the first scale)."""
+        return None if self._tensors is None else self._tensors.growth_tracker
+
+    def _get_scale_async(self) -> torch.Tensor | None:
+        """The scale tensor without a host sync (torch's helper; None before the first scale)."""
+        return self._scale
+
+    def _get_growth_tracker(self) -> int:
+        """The growth tracker as an int (a host sync; 0 for a pass-through scaler, as torch)."""
+        return self.state.growth_tracker if self.is_enabled() else 0
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle (and deepcopy) the state, not the device tensors: they are made again at the next scale().
+
+        Raises:
+            AssertionError: between a step and its update (as torch).
+        """
+        if self._per_optimizer_states:
+            raise AssertionError(
+                "A GradScaler instance may only be pickled at the beginning "
+                "of an iteration, or at the end after scaler.update()."
+            )
+        state = self.__dict__.copy()
+        state["_host"], state["_tensors"] = self.state, None
+        state["_per_optimizer_states"] = None  # made again, empty, by __setstate__
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._per_optimizer_states = defaultdict(OptimizerStep)
 
     def __repr__(self) -> str:
         where = "uninitialized" if self._tensors is None else str(self._tensors.device)

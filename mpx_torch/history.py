@@ -5,13 +5,13 @@ copies the state after the step (the scale's float32 bits, ``growth_tracker``,
 ``consecutive_nonfinite``, the step number) into one row of an int64 ring buffer on the scaler's
 device, with tensor ops only (no host sync, nothing a compiled step guards on:
 the scaler's methods run eagerly); :meth:`GradScaler.history` reads the buffer
-in one transfer and :meth:`mpx.ScalerHistory.from_states` derives the events.
+in one transfer and :meth:`mpx.ScalerHistory.from_rows` decodes it (the row layout every backend uses).
 Off (the default) it costs one ``is None`` test per update.
 
 Stuck detection (``ScalerConfig.max_consecutive_skips``): :meth:`GradScaler.scale`
 then keeps ``isfinite(loss).all()`` as a device flag, and each update reads the
-consecutive count and that flag (one host sync per update, only with the option
-on) and calls :func:`mpx.stuck.stuck_message` / :func:`mpx.stuck.signal_stuck`.
+scale, the consecutive count and that flag (one host sync per update, only with
+the option on) and calls :func:`mpx.check_stuck`.
 """
 
 from __future__ import annotations
@@ -23,9 +23,8 @@ import torch
 from mpx.errors import MPXError
 from mpx.history import ScalerHistory
 from mpx.scaling import COUNTER_MAX, ScalerConfig
-from mpx.stuck import is_stuck, signal_stuck, stuck_message
 
-__all__ = ["HistoryBuffer", "check_stuck", "log_history", "loss_finite_flag"]
+__all__ = ["HistoryBuffer", "log_history", "loss_finite_flag"]
 
 
 class HistoryBuffer:
@@ -56,17 +55,9 @@ class HistoryBuffer:
         self.recorded += 1
 
     def read(self, config: ScalerConfig) -> ScalerHistory:
-        """The recorded steps (the last ``capacity``), oldest first, in one device-to-host transfer."""
-        n = min(self.recorded, self.capacity)
-        rows = self.rows.cpu()
-        if self.recorded > self.capacity:  # wrapped: the oldest row is the next one to be written
-            start = self.recorded % self.capacity
-            rows = torch.cat([rows[start:], rows[:start]])
-        rows = rows[:n]
-        scales = rows[:, 0].to(torch.int32).view(torch.float32).tolist()
-        return ScalerHistory.from_states(
-            config, rows[:, 3].tolist(), scales, rows[:, 1].tolist(), rows[:, 2].tolist()
-        )
+        """The recorded steps (the last ``capacity``), oldest first, in one device-to-host transfer
+        (decoded by :meth:`mpx.ScalerHistory.from_rows`)."""
+        return ScalerHistory.from_rows(config, self.rows.cpu().numpy(), self.recorded)
 
 
 def loss_finite_flag(outputs: Any) -> torch.Tensor | None:
@@ -76,24 +67,6 @@ def loss_finite_flag(outputs: Any) -> torch.Tensor | None:
     flags = [torch.isfinite(t).all() for t in outputs if isinstance(t, torch.Tensor)] if isinstance(
         outputs, (list, tuple)) else []  # fmt: skip
     return torch.stack(flags).all() if flags else None
-
-
-def check_stuck(config: ScalerConfig, tensors: Any, loss_finite: torch.Tensor | None) -> None:
-    """After an update: raise or warn when ``config.max_consecutive_skips`` skips have come in a row.
-
-    One host sync (the count and the loss flag together); a second read of the
-    state only when the detection triggers.
-    """
-    if loss_finite is None:
-        consecutive, flag = int(tensors.consecutive_nonfinite.item()), None
-    else:
-        consecutive, flag = torch.stack(
-            [tensors.consecutive_nonfinite, loss_finite.to(device=tensors.device, dtype=torch.int64)]
-        ).tolist()
-    if is_stuck(config, consecutive):
-        signal_stuck(
-            config, stuck_message(config, tensors.read(), None if flag is None else bool(flag)), stacklevel=4
-        )
 
 
 def log_history(history: Any, writer: Any, *, prefix: str = "loss_scaler", since: int = 0) -> int:
