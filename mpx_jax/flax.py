@@ -38,10 +38,31 @@ import mpx.categories
 from mpx.policy import PolicySpec
 from mpx_jax.casting import cast_to_output, cast_tree, is_floating_array
 
-__all__ = ["apply_policy", "policy_apply"]
+__all__ = ["apply_policy", "policy_apply", "step_applied"]
 
 _NNX_CATEGORIES = mpx.categories.resolve_categories("flax.nnx", nnx)
 _LINEN_CATEGORIES = mpx.categories.resolve_categories("flax.linen", nn)
+
+
+def step_applied(before: Any, after: Any) -> jax.Array:
+    """Whether the optimizer step that moved the loss scale from ``before`` to ``after`` was applied.
+
+    Both are :class:`mpx_jax.LossScale` values (or anything
+    :func:`mpx_jax.get_loss_scale` reads them from: an optax state, an
+    ``nnx.Optimizer``), read just before and just after one
+    ``with_loss_scaling`` update.  A step is applied when the loss scale made
+    its transition (``steps`` moved: with ``accumulate=k`` only the window's
+    last micro-step moves it) and did not count it as skipped.  Returns a
+    boolean scalar array (jit-safe, no host sync).  The counters saturate at
+    2**31 - 1 steps, after which every step reads as not applied.
+
+    :class:`mpx_jax.nnx.Optimizer` and :class:`mpx_jax.linen.TrainState` use
+    it to count applied steps only.
+    """
+    from mpx_jax import get_loss_scale
+
+    b, a = get_loss_scale(before), get_loss_scale(after)
+    return jnp.logical_and(a.steps != b.steps, a.skipped_steps == b.skipped_steps)
 
 
 def _jnp_dtype(name: str) -> Any:
