@@ -49,7 +49,10 @@ CPU_PROBE_N = 512
 
 
 def timed_probe(
-    runs: dict[str, Callable[[], Any]], flops: float, budget_s: float
+    runs: dict[str, Callable[[], Any]],
+    flops: float,
+    budget_s: float,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, dict[str, Any]]:
     """Time every ``runs[name]()`` (one blocking matmul of ``flops``) within ``budget_s`` seconds in all.
 
@@ -57,19 +60,20 @@ def timed_probe(
     interleaved, one of each per round, so drift on the machine hits every
     dtype alike; rounds stop when the next one would overrun the budget, and
     the fastest call of each wins.  Every dtype gets at least one timed call.
+    ``clock`` (seconds; default :func:`time.perf_counter`) is read around each call.
     """
-    start = time.perf_counter()
+    start = clock()
     for run in runs.values():
         run()
     best = dict.fromkeys(runs, float("inf"))
     calls = dict.fromkeys(runs, 0)
     while True:
         for name, run in runs.items():
-            t0 = time.perf_counter()
+            t0 = clock()
             run()
-            best[name] = min(best[name], time.perf_counter() - t0)
+            best[name] = min(best[name], clock() - t0)
             calls[name] += 1
-        if time.perf_counter() - start + sum(best.values()) > budget_s:  # the next round would overrun
+        if clock() - start + sum(best.values()) > budget_s:  # the next round would overrun
             break
     return {
         name: {"seconds": best[name], "gflops": flops / best[name] / 1e9, "calls": calls[name]}

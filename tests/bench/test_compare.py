@@ -23,6 +23,7 @@ HAS_SKLEARN = importlib.util.find_spec("sklearn") is not None
 
 
 def _mpx(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    # the bound only catches a hang: a loaded machine must not fail a test
     return subprocess.run([sys.executable, "-m", "mpx", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout)  # fmt: skip
 
@@ -40,7 +41,8 @@ def test_compare_tiny_writes_reports(tmp_path):
         assert data["backends"][backend]["status"] == "ok", data["backends"][backend]
         runs = [r for r in data["runs"] if r["backend"] == backend]
         assert sorted((r["policy"], r["seed"]) for r in runs) == sorted(
-            (p, s) for p in ("float32", "mixed_bfloat16", "mixed_float16") for s in (0, 1))
+            (p, s) for p in ("float32", "mixed_bfloat16", "mixed_float16") for s in (0, 1)
+        )
         for r in runs:
             assert r["steps"] == 3 and len(r["losses"]) == 3 and len(r["scales"]) == 3
             assert 0.0 <= r["val_accuracy"] <= 1.0
@@ -69,7 +71,7 @@ def test_compare_tiny_writes_reports(tmp_path):
     ],
 )
 def test_compare_usage_errors_exit_2(args, message):
-    proc = _mpx("compare", *args, timeout=60)
+    proc = _mpx("compare", *args)
     assert proc.returncode == 2
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
@@ -85,7 +87,9 @@ def test_summarize_pairs_seeds_and_applies_the_criterion():
             _run("mixed_float16", 1, 0.79, 2.0**16, 0), _run("mixed_bfloat16", 0, 0.88), _run("mixed_bfloat16", 1, 0.79)]  # fmt: skip
     rows = {s["policy"]: s for s in summarize(runs, criterion_points=0.5)}
     f16 = rows["mixed_float16"]
-    assert f16["delta_points"]["min"] == pytest.approx(-1.0) and f16["delta_points"]["max"] == pytest.approx(1.0)
+    assert f16["delta_points"]["min"] == pytest.approx(-1.0) and f16["delta_points"]["max"] == pytest.approx(
+        1.0
+    )
     assert f16["delta_points"]["mean"] == pytest.approx(0.0, abs=1e-12) and f16["passed"] is True
     assert f16["skipped_steps"] == 1 and f16["final_scale"] == 1.5 * 2**15
     bf16 = rows["mixed_bfloat16"]

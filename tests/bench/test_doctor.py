@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import time
 
 import pytest
 
@@ -62,23 +61,26 @@ def test_no_probe_means_float32():
 
 
 def test_timed_probe_interleaves_and_keeps_the_fastest_call():
+    """On a simulated clock that each call advances by its cost: no wall-clock time is measured."""
+    now = [0.0]
     order: list[str] = []
     costs = {"a": itertools.cycle([3e-3, 1e-3]), "b": itertools.cycle([2e-3])}
 
     def make(name):
         def run():
             order.append(name)
-            t = next(costs[name])
-            end = time.perf_counter() + t
-            while time.perf_counter() < end:
-                pass
+            now[0] += next(costs[name])
 
         return run
 
-    out = timed_probe({"a": make("a"), "b": make("b")}, 1e6, 0.05)
+    out = timed_probe({"a": make("a"), "b": make("b")}, 1e6, 0.05, clock=lambda: now[0])
     assert order[:2] == ["a", "b"]  # warm-up, one each
     timed = order[2:]
-    assert timed[0::2] == ["a"] * len(timed[0::2]) and timed[1::2] == ["b"] * len(timed[1::2])  # A B A B ...
-    assert out["a"]["calls"] == out["b"]["calls"] >= 2
-    assert out["a"]["seconds"] < 2.5e-3 <= out["b"]["seconds"] + 1e-3  # the fast call of "a" was kept
-    assert out["a"]["gflops"] == pytest.approx(1e6 / out["a"]["seconds"] / 1e9)
+    assert timed == ["a", "b"] * (len(timed) // 2)  # A B A B ...: one of each per round
+    # warm-up 5 ms, then rounds of 3 ms and 5 ms alternately (a: 1 or 3 ms, b: 2 ms); after 11 rounds
+    # (48 ms) the next would overrun the 50 ms budget (elapsed plus the best of each: 51 ms)
+    assert out["a"]["calls"] == out["b"]["calls"] == 11 and now[0] == pytest.approx(0.048)
+    assert out["a"]["seconds"] == pytest.approx(1e-3) and out["b"]["seconds"] == pytest.approx(2e-3)
+    assert out["a"]["gflops"] == pytest.approx(1e6 / 1e-3 / 1e9)
+    single = timed_probe({"slow": make("b")}, 1e6, 0.0, clock=lambda: now[0])
+    assert single["slow"]["calls"] == 1  # every run gets one timed call, even over budget
