@@ -219,7 +219,7 @@ class GradScaler(torch.amp.GradScaler):
                 if val.device not in per_device:
                     per_device[val.device] = tensors.scale.to(device=val.device, non_blocking=True)
                 return val * per_device[val.device]
-            if isinstance(val, abc.Iterable):
+            if isinstance(val, abc.Iterable) and not isinstance(val, (str, bytes)):
                 mapped = map(apply, val)
                 return type(val)(mapped) if isinstance(val, (list, tuple)) else mapped
             raise UnsupportedTypeError(
