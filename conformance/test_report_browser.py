@@ -20,6 +20,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -44,7 +45,7 @@ def _chromium() -> str:
 class DevTools:
     """A minimal DevTools-protocol client over one websocket (RFC 6455 text frames, client-masked)."""
 
-    def __init__(self, url: str, timeout: float = 60.0) -> None:
+    def __init__(self, url: str, timeout: float = 300.0) -> None:
         host_port, path = url.removeprefix("ws://").split("/", 1)
         host, port = host_port.rsplit(":", 1)
         self.sock = socket.create_connection((host, int(port)), timeout=timeout)
@@ -97,7 +98,7 @@ class DevTools:
                 return msg.get("result", {})
             self.events.append(msg)
 
-    def wait_for(self, method: str, timeout: float = 60.0) -> dict:
+    def wait_for(self, method: str, timeout: float = 300.0) -> dict:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for ev in self.events:
@@ -129,8 +130,8 @@ VISIBLE_JS = """
 """
 
 
-def render(page: Path, screenshot: Path) -> tuple[list[str], dict]:
-    """Load ``page`` in headless Chromium; returns (console errors, what VISIBLE_JS found) and writes a PNG."""
+def render(page: Path, screenshot: Path, expression: str = VISIBLE_JS) -> tuple[list[str], Any]:
+    """Load ``page`` in headless Chromium; returns (console errors, what ``expression`` found) and writes a PNG."""
     profile = tempfile.mkdtemp(prefix="mpx-chromium-")
     proc = subprocess.Popen(
         [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -140,21 +141,27 @@ def render(page: Path, screenshot: Path) -> tuple[list[str], dict]:
     )  # fmt: skip
     try:
         port_file = Path(profile) / "DevToolsActivePort"
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 300  # only catches a hang: a loaded machine starts chromium slowly
         while not (port_file.exists() and len(port_file.read_text().splitlines()) >= 2):
             if time.monotonic() > deadline or proc.poll() is not None:
                 raise RuntimeError("chromium did not start its DevTools server")
             time.sleep(0.1)
         port = int(port_file.read_text().split()[0])
-        targets = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=30).read())
+        targets = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=300).read())
         tab = DevTools(next(t for t in targets if t["type"] == "page")["webSocketDebuggerUrl"])
         for domain in ("Page", "Runtime", "Log"):
             tab.call(f"{domain}.enable")
-        tab.call("Emulation.setDeviceMetricsOverride", width=WIDTH, height=HEIGHT, deviceScaleFactor=1, mobile=False)
+        tab.call(
+            "Emulation.setDeviceMetricsOverride",
+            width=WIDTH,
+            height=HEIGHT,
+            deviceScaleFactor=1,
+            mobile=False,
+        )
         tab.events.clear()
         tab.call("Page.navigate", url=page.resolve().as_uri())
         tab.wait_for("Page.loadEventFired")
-        found = tab.call("Runtime.evaluate", expression=VISIBLE_JS, returnByValue=True)["result"]["value"]
+        found = tab.call("Runtime.evaluate", expression=expression, returnByValue=True)["result"]["value"]
         shot = tab.call("Page.captureScreenshot", format="png")
         screenshot.write_bytes(base64.b64decode(shot["data"]))
         errors = []
@@ -162,7 +169,9 @@ def render(page: Path, screenshot: Path) -> tuple[list[str], dict]:
             p = ev.get("params", {})
             if ev.get("method") == "Runtime.exceptionThrown":
                 details = p.get("exceptionDetails", {})
-                errors.append(f"exception: {details.get('text')} {details.get('exception', {}).get('description')}")
+                errors.append(
+                    f"exception: {details.get('text')} {details.get('exception', {}).get('description')}"
+                )
             elif ev.get("method") == "Runtime.consoleAPICalled" and p.get("type") in ("error", "assert"):
                 errors.append("console.error: " + json.dumps([a.get("value") for a in p.get("args", [])]))
             elif ev.get("method") == "Log.entryAdded" and p.get("entry", {}).get("level") == "error":
@@ -224,3 +233,36 @@ def test_the_checks_catch_a_broken_page(tmp_path):
     assert any("boom" in e for e in errors) and any("Error: bad" in e for e in errors)
     assert any("missing.png" in e for e in errors)
     assert found["#summary"]["count"] == 1 and found["#summary"]["visible"] == 0
+
+
+#: JavaScript: the rendered text of every case-table cell, and of the visible error cells.
+CELLS_JS = """
+(() => ({
+  cells: [...document.querySelectorAll('#cases td')].map(td => td.innerText),
+  errors: [...document.querySelectorAll('#cases td.error')].filter(td => td.getBoundingClientRect().height > 0)
+          .map(td => td.innerText),
+  errorSection: document.querySelector('#errors h2').innerText,
+}))()
+"""
+
+
+def test_case_cells_render_as_text_and_errors_show(tmp_path):
+    """A report from rows (no framework): the ``scaler.stuck`` cells and an adapter error, as a reader sees them."""
+    from conformance import report
+    from conformance.test_report import STUCK, _with_errors_and_stuck
+
+    _chromium()
+    data = _with_errors_and_stuck()
+    report.write_all(data, tmp_path / "report")
+    errors, found = render(tmp_path / "report" / "report.html", tmp_path / "cells.png", CELLS_JS)
+    assert errors == []
+    assert found["cells"] and not [c for c in found["cells"] if "{" in c or '"' in c]
+    i = found["cells"].index(STUCK)
+    assert found["cells"][i + 2 : i + 5] == ["stuck at step 5: gradients overflow at min_scale",
+                                             "skip: no stuck detection",
+                                             "✓ stuck at step 5: gradients overflow at min_scale"]  # fmt: skip
+    assert "✗ never stuck" in found["cells"]
+    assert (
+        found["errors"] == ["error: KeyError: 'policy' (at conformance/adapters/torch.py:114 in run_op)"] * 2
+    )
+    assert found["errorSection"] == "Adapter errors (2)"
