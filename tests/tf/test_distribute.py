@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -31,7 +30,9 @@ def replica_bytes(variables):
     return [[np.asarray(c.numpy()).tobytes() for c in v.value.values] for v in variables]
 """
 
-SCRIPT = MIRRORED_PRELUDE + r"""
+SCRIPT = (
+    MIRRORED_PRELUDE
+    + r"""
 config = mpx.ScalerConfig(growth_interval=2, init_scale=2.0**10)
 out = {"replicas": strategy.num_replicas_in_sync}
 
@@ -96,10 +97,11 @@ out["fit_state"] = opt.state_dict()
 out["fit_iterations"] = int(opt.iterations.numpy())
 json.dump(out, open(sys.argv[1], "w"))
 """
+)
 
 
-def test_mirrored_strategy_replicas_skip_together(tmp_path):
-    out = _run_script(SCRIPT, tmp_path)
+def test_mirrored_strategy_replicas_skip_together(run_python, tmp_path):
+    out = _run_script(run_python, SCRIPT, tmp_path)
     assert out["replicas"] == 2
 
     config = mpx.ScalerConfig(growth_interval=2, init_scale=2.0**10)
@@ -117,7 +119,9 @@ def test_mirrored_strategy_replicas_skip_together(tmp_path):
     assert out["fit_state"]["steps"] == 4 and out["fit_iterations"] == 4
 
 
-SCRIPT_ACCUMULATION_AND_REDUCE = MIRRORED_PRELUDE + r"""
+SCRIPT_ACCUMULATION_AND_REDUCE = (
+    MIRRORED_PRELUDE
+    + r"""
 out = {}
 
 
@@ -221,24 +225,27 @@ for name, reduce in (("none", None), ("bf16", "bfloat16"), ("fp16", "float16")):
     out["reduce_" + name] = [np.asarray(c.numpy()).tolist() for c in w.value.values]
 json.dump(out, open(sys.argv[1], "w"))
 """
+)
 
 
-def _run_script(script, tmp_path):
-    result = tmp_path / "result.json"
+def _env():
     root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(
-        [sys.executable, "-c", script, str(result)], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+
+
+def _run_script(run_python, script, tmp_path):
+    """Run ``script`` in a fresh process (conftest's hang detector: no wall-clock limit); its JSON result."""
+    result = tmp_path / "result.json"
+    [(code, _, err)] = run_python([[sys.executable, "-c", script, str(result)]], env=_env())
+    assert code == 0, err[-4000:]
     return json.loads(result.read_text())
 
 
-def test_mirrored_one_replica_poisoned_accumulation_and_reduce_dtype(tmp_path):
+def test_mirrored_one_replica_poisoned_accumulation_and_reduce_dtype(run_python, tmp_path):
     import ml_dtypes
     import numpy as np
 
-    out = _run_script(SCRIPT_ACCUMULATION_AND_REDUCE, tmp_path)
+    out = _run_script(run_python, SCRIPT_ACCUMULATION_AND_REDUCE, tmp_path)
     config = mpx.ScalerConfig(init_scale=8.0, growth_interval=1)
 
     # 1. mpx: one poisoned replica (loss or gradients) makes every replica skip; one scale trace.
@@ -253,14 +260,19 @@ def test_mirrored_one_replica_poisoned_accumulation_and_reduce_dtype(tmp_path):
     # skips everywhere (and backs off), a poisoned replica 1 is applied, and Keras's aggregation sums
     # its inf into every replica's weights (they agree, but are no longer finite; the scale grows).
     native = {
-        (where, bad): {k: out[f"keras_{where}_{bad}"][0][k] for k in ("scale", "unchanged", "agree", "finite")}
+        (where, bad): {
+            k: out[f"keras_{where}_{bad}"][0][k] for k in ("scale", "unchanged", "agree", "finite")
+        }
         for where in ("loss", "grads")
         for bad in (0, 1)
     }
     skipped = {"scale": 4.0, "unchanged": True, "agree": True, "finite": True}
     applied = {"scale": 16.0, "unchanged": False, "agree": True, "finite": False}
     assert native == {
-        ("loss", 0): skipped, ("loss", 1): applied, ("grads", 0): skipped, ("grads", 1): applied
+        ("loss", 0): skipped,
+        ("loss", 1): applied,
+        ("grads", 0): skipped,
+        ("grads", 1): applied,
     }, native
 
     # 2. accumulation under the strategy: the reference per window, bad windows skipped whole on both replicas
@@ -274,21 +286,38 @@ def test_mirrored_one_replica_poisoned_accumulation_and_reduce_dtype(tmp_path):
     # at each window's end every variable (model, moments, accumulators, iterations) is bitwise identical on
     # both replicas; inside a window the accumulators are replica-local, as Keras's
     assert [r["agree"] for r in rows[1::2]] == [True] * 4
-    assert [rows[i]["iterations"] for i in range(1, len(rows), 2)] == [2, 2, 2, 4]  # _iterations: micro-batches
-    assert rows[2]["unchanged"] is False and rows[4]["unchanged"] is False  # the first micro-batch accumulated ...
-    for i in (3, 5):  # ... and a skipped window ends bit-identical to where it began (every variable, replica)
+    assert [rows[i]["iterations"] for i in range(1, len(rows), 2)] == [
+        2,
+        2,
+        2,
+        4,
+    ]  # _iterations: micro-batches
+    assert (
+        rows[2]["unchanged"] is False and rows[4]["unchanged"] is False
+    )  # the first micro-batch accumulated ...
+    for i in (
+        3,
+        5,
+    ):  # ... and a skipped window ends bit-identical to where it began (every variable, replica)
         assert rows[i]["after"] == rows[i - 1]["before"], i
     assert rows[7]["after"] != rows[6]["before"]  # an applied window
     assert out["acc_state"]["steps"] == len(expected)
     assert out["acc_state"]["skipped_steps"] == sum(not w["applied"] for w in expected)
     fit = mpx.accumulation_trace(config, [True, False, True, True], 2)
     assert out["fit_acc_state"]["scale"] == fit[-1]["scale"] and out["fit_acc_state"]["steps"] == 2
-    assert out["fit_acc_state"]["skipped_steps"] == 1 and out["fit_acc_iterations"] == 1 and out["fit_acc_agree"]
+    assert (
+        out["fit_acc_state"]["skipped_steps"] == 1 and out["fit_acc_iterations"] == 1 and out["fit_acc_agree"]
+    )
     # Keras's own gradient_accumulation_steps does not run under MirroredStrategy on CPU
-    assert out["acc_native_error"] is not None and "merge_call" in out["acc_native_error"], out["acc_native_error"]
+    assert out["acc_native_error"] is not None and "merge_call" in out["acc_native_error"], out[
+        "acc_native_error"
+    ]
 
     # 3. the reduce dtype: each replica casts to it, the strategy sums in it, the sum comes back in float32
-    g = np.array([[1.0 + 2.0**-9, 3.0 + 2.0**-7, 1e-3, 2.0**20 + 3.0], [2.0**-10, 5.0 + 2.0**-8, 2e-3, 7.0]], np.float32)
+    g = np.array(
+        [[1.0 + 2.0**-9, 3.0 + 2.0**-7, 1e-3, 2.0**20 + 3.0], [2.0**-10, 5.0 + 2.0**-8, 2e-3, 7.0]],
+        np.float32,
+    )
     for name, dtype in (("bf16", ml_dtypes.bfloat16), ("fp16", np.float16)):
         low = g.astype(dtype)
         total = (low[0].astype(np.float32) + low[1].astype(np.float32)).astype(dtype).astype(np.float32)
@@ -344,7 +373,7 @@ json.dump(rows, open(result, "w"))
 """
 
 
-def test_multi_worker_mirrored_two_workers_agree(tmp_path):
+def test_multi_worker_mirrored_two_workers_agree(run_python, tmp_path):
     """Two MultiWorkerMirroredStrategy workers on 127.0.0.1: one worker's inf skips both, weights bitwise equal.
 
     Keras's own LossScaleOptimizer is not run here: with one worker poisoned the workers take different
@@ -357,23 +386,16 @@ def test_multi_worker_mirrored_two_workers_agree(tmp_path):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             ports.append(str(s.getsockname()[1]))
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", WORKER, str(i), ",".join(ports), str(tmp_path / f"w{i}.json")],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        )
-        for i in range(2)
-    ]
-    try:
-        errors = [p.communicate(timeout=50)[1] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for e in errors]
+    # Both workers at once; a hang (a collective waiting forever) is caught by conftest's detector
+    # (no output and no CPU time for minutes), not by a wall-clock limit a loaded machine could pass.
+    ran = run_python(
+        [
+            [sys.executable, "-c", WORKER, str(i), ",".join(ports), str(tmp_path / f"w{i}.json")]
+            for i in range(2)
+        ],
+        env=_env(),
+    )
+    assert [code for code, _, _ in ran] == [0, 0], [err[-2000:] for _, _, err in ran]
     w0, w1 = (json.loads((tmp_path / f"w{i}.json").read_text()) for i in range(2))
     config = mpx.ScalerConfig(init_scale=8.0, growth_interval=1)
     expected = mpx.accumulation_trace(config, [True, False, True, False, True], 1)
@@ -381,3 +403,14 @@ def test_multi_worker_mirrored_two_workers_agree(tmp_path):
     assert [r["weights"] for r in w0] == [r["weights"] for r in w1]  # bitwise, every step
     assert w0[1]["weights"] == w0[0]["weights"] and w0[3]["weights"] == w0[2]["weights"]  # skipped steps
     assert w0[2]["weights"] != w0[1]["weights"]
+
+
+def test_the_hang_detector_stops_an_idle_child_and_lets_a_working_one_run(run_python):
+    """conftest's detector: a child with no output and no CPU time is a hang; one that keeps writing is not."""
+    import pytest
+
+    with pytest.raises(pytest.fail.Exception, match="no output and no CPU time for 2 s"):
+        run_python([[sys.executable, "-c", "import time; time.sleep(600)"]], stall_s=2)
+    slow = "import time\nfor i in range(10):\n    print(i, flush=True)\n    time.sleep(0.3)"
+    [(code, out, _)] = run_python([[sys.executable, "-c", slow]], stall_s=5)  # 3 s in all, never 5 s silent
+    assert code == 0 and out.split() == [str(i) for i in range(10)]
