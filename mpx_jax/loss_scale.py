@@ -228,7 +228,6 @@ class LossScale:
         """The current scale as a Python float (a host read: not under ``jit``; there use ``loss_scale``)."""
         return float(jax.device_get(plain_loss_scale(self).loss_scale))
 
-
     def state_dict(self) -> dict[str, Any]:
         """The neutral JSON-safe state dict (``mpx.scaler/1``), the same as every mpx backend's."""
         return mpx.state_dict(self.config, self.state)

@@ -112,7 +112,9 @@ def set_loss_scale(opt_state: Any, loss_scale: LossScale) -> Any:
     held = [getattr(old, name) for name in STATE_FIELDS]
     if nnx is not None and any(isinstance(v, nnx.Variable) for v in held):
         if not all(isinstance(v, nnx.Variable) for v in held):
-            raise mpx.MPXError("opt_state: its LossScale mixes NNX variables and plain arrays; cannot set it.")
+            raise mpx.MPXError(
+                "opt_state: its LossScale mixes NNX variables and plain arrays; cannot set it."
+            )
         for name, variable in zip(STATE_FIELDS, held, strict=True):
             variable.set_value(getattr(new, name))
         return opt_state

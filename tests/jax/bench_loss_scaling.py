@@ -293,8 +293,8 @@ def main(argv: list[str] | None = None) -> None:
             f"{prof['temp_mb']:.1f} MB temporaries"
         )
     for name in names[1:]:
-        ls = mpx_jax.get_loss_scale(variants[name][1][1])
-        print(f"{name}: {int(ls.steps) - int(ls.skipped_steps)} finite steps of {int(ls.steps)}")
+        state = mpx_jax.get_loss_scale(variants[name][1][1]).state
+        print(f"{name}: {state.steps - state.skipped_steps} finite steps of {state.steps}")
 
 
 if __name__ == "__main__":
