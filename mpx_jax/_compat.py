@@ -23,7 +23,16 @@ require_version("jax", jax.__version__)
 require_version("optax", optax.__version__)
 
 __all__ = [
+    "AUTOCAST_PRIMITIVES",
     "INLINE_CALL_PRIMITIVES",
+    "Jaxpr",
+    "bind_params",
+    "check_autocast_primitives",
+    "eqn_context_manager",
+    "name_scopes",
+    "param",
+    "softmax_custom_jvp",
+    "summarize_source",
     "ClosedJaxpr",
     "Literal",
     "manual_axes",
@@ -109,3 +118,87 @@ def nnx_if_loaded() -> Any:
         if not hasattr(nnx, name):
             raise missing_internal("flax", flax.__version__, f"flax.nnx.{name}", "get_loss_scale")
     return nnx
+
+
+# -- autocast and find_nonfinite: jaxpr interpretation ---------------------------------------------------
+
+try:
+    from jax.extend.core import Jaxpr
+    from jax.extend.core import primitives as _primitives
+except ImportError as exc:  # pragma: no cover - jax.extend.core is public since jax 0.4.30
+    raise _missing("jax.extend.core.Jaxpr/primitives", "autocast") from exc
+
+#: The primitives autocast handles by name (its rules and its control flow), each with the
+#: ``jax.extend.core.primitives`` attribute that must carry that name.
+AUTOCAST_PRIMITIVES: dict[str, str] = {
+    "dot_general": "dot_general_p",
+    "conv_general_dilated": "conv_general_dilated_p",
+    "convert_element_type": "convert_element_type_p",
+    "custom_jvp_call": "custom_jvp_call_p",
+    "custom_vjp_call": "custom_vjp_call_p",
+    "scan": "scan_p",
+    "while": "while_p",
+    "cond": "cond_p",
+    "remat2": "remat_p",
+    "jit": "jit_p",
+    "closed_call": "closed_call_p",
+}
+
+
+def check_autocast_primitives() -> None:
+    """Check that every primitive autocast matches by name still has that name in this JAX.
+
+    A renamed primitive (``pjit`` became ``jit`` in jax 0.7) would otherwise silently fall out of the
+    op table: autocast would run it at its traced dtypes.
+    """
+    for name, attr in AUTOCAST_PRIMITIVES.items():
+        prim = getattr(_primitives, attr, None)
+        if getattr(prim, "name", None) != name:
+            raise _missing(f"jax.extend.core.primitives.{attr} named {name!r}", "autocast's op rules")
+
+
+def param(eqn: Any, key: str) -> Any:
+    """``eqn.params[key]``, or the one version error naming the primitive's missing parameter."""
+    try:
+        return eqn.params[key]
+    except KeyError:
+        raise _missing(f"the {key!r} parameter of the {eqn.primitive.name} primitive", "autocast") from None
+
+
+def bind_params(eqn: Any, params: dict[str, Any]) -> dict[str, Any]:
+    """``eqn.primitive.get_bind_params(params)``: the keyword arguments ``bind`` takes for ``params``."""
+    used_for = "binding one jaxpr equation (autocast, with_loss_scaling's skip, find_nonfinite)"
+    get = _attr(eqn.primitive, "get_bind_params", "Primitive.get_bind_params", used_for)
+    out = get(params)
+    if not isinstance(out, dict):  # jax < 0.7 returned (subfuns, params)
+        raise _missing("Primitive.get_bind_params returning a dict", used_for)
+    return out
+
+
+def eqn_context_manager(eqn: Any) -> Any:
+    """The context manager ``eqn`` was traced under (``eqn.ctx.manager``: a name scope, a mesh), or None."""
+    ctx = _attr(eqn, "ctx", "JaxprEqn.ctx", "running an equation in the context it was traced in")
+    return _attr(ctx, "manager", "JaxprEqnContext.manager", "running an equation in the context it was traced in")
+
+
+def name_scopes(source_info: Any) -> tuple[tuple[str, str], ...]:
+    """``(kind, name)`` of each entry of an equation's name stack (``"Scope"``/``"Transform"``)."""
+    used_for = "an equation's name stack (autocast's float32 regions, find_nonfinite's paths)"
+    stack = _attr(source_info, "name_stack", "SourceInfo.name_stack", used_for)
+    entries = _attr(stack, "stack", "NameStack.stack", used_for)
+    return tuple((type(e).__name__, str(_attr(e, "name", "NameStack entry .name", used_for))) for e in entries)
+
+
+def summarize_source(source_info: Any) -> str:
+    """``file:line (function)`` of an equation: ``jax._src.source_info_util.summarize``."""
+    used_for = "find_nonfinite's source lines"
+    try:
+        from jax._src import source_info_util
+    except ImportError as exc:
+        raise _missing("jax._src.source_info_util", used_for) from exc
+    return _attr(source_info_util, "summarize", "jax._src.source_info_util.summarize", used_for)(source_info)
+
+
+def softmax_custom_jvp(enabled: bool) -> Any:
+    """``jax.softmax_custom_jvp(enabled)``: a context in which ``jax.nn.softmax`` traces as a named call."""
+    return _attr(jax, "softmax_custom_jvp", "jax.softmax_custom_jvp", "autocast of softmax by name")(enabled)

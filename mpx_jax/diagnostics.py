@@ -35,14 +35,10 @@ from mpx.diagnostics import (
     nonfinite_report,
 )
 from mpx.dtypes import canonical_dtype, dtype_info
+from mpx_jax._compat import name_scopes, summarize_source
 from mpx_jax._jaxpr import bind, eqn_context
 
 __all__ = ["find_nonfinite", "underflow_stats"]
-
-try:  # the only place JAX keeps an equation's source line and name stack
-    from jax._src import source_info_util as _siu
-except ImportError:  # pragma: no cover - a JAX without it reports no source lines
-    _siu = None
 
 _CALL_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 
@@ -54,21 +50,14 @@ def _is_float(x: Any) -> bool:
 def _where(eqn: Any) -> tuple[str, str | None, bool, str]:
     """(scope path, source line, backward?, raw name stack) of an equation."""
     info = eqn.source_info
-    stack = getattr(info, "name_stack", None)
     scopes, backward = [], False
-    for entry in getattr(stack, "stack", ()):
-        kind = type(entry).__name__
+    for kind, name in name_scopes(info):
         if kind == "Scope":
-            scopes.append(entry.name)
-        elif kind == "Transform" and entry.name == "transpose":
+            scopes.append(name)
+        elif kind == "Transform" and name == "transpose":
             backward = True
-    source = None
-    if _siu is not None:
-        try:
-            source = _siu.summarize(info)
-        except Exception:  # pragma: no cover - an equation without a traceback
-            source = None
-    return "/".join(scopes), source, backward, str(stack) if stack is not None else ""
+    source = summarize_source(info)
+    return "/".join(scopes), source, backward, str(info.name_stack)
 
 
 def _site(eqn: Any, value: Any, prefix: str) -> NonfiniteSite:

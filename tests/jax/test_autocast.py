@@ -103,13 +103,18 @@ def test_dtypes_and_values_under_jit(op):
     np.testing.assert_allclose(np.asarray(eager, np.float32), np.asarray(ref), rtol=5e-2, atol=5e-2)
 
 
-def test_float32_policy_returns_fn_itself():
-    def f(x):
-        return x
+@pytest.mark.parametrize("policy", ["float32", "params=float64,compute=float64"])
+def test_float32_policy_alone_runs_fn_unchanged(policy):
+    def f(x, w):
+        return jax.nn.softmax(x.astype(BF16) @ w.astype(BF16)), x * 2
 
-    assert autocast(f, "float32") is f
-    assert autocast(f, "params=float64,compute=float64") is f
-    assert autocast(f, "mixed_float16") is not f
+    x, w = rand((3, 4)), rand((4, 5), key=1)
+    g = autocast(f, policy)
+    assert g.__name__ == "f" and g.__wrapped__ is f
+    assert str(jax.make_jaxpr(g)(x, w)) == str(jax.make_jaxpr(f)(x, w))
+    for a, b in zip(g(x, w), f(x, w), strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
 def test_matmul_accumulates_in_float32():
