@@ -21,6 +21,7 @@ the scale (``scaler.pt``; one written by ``torch.amp.GradScaler`` loads too).
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -29,6 +30,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType
 
 from mpx import MPXError, OpTable, PolicySpec, ScalerConfig, UnsupportedTypeError, get_policy
+from mpx_torch._compat import step_supports_amp_scaling
 from mpx_torch._integrations import HalfParametersWarning, unscale_once, warn_half_parameters
 from mpx_torch.grad_scaler import GradScaler
 from mpx_torch.prepare import prepare
@@ -41,6 +43,28 @@ _UNSUPPORTED = (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM, Distribu
 def _prepared(accelerator: Accelerator, what: str) -> list[Any]:
     # Accelerate keeps the models and optimizers it prepared in private lists (no public accessor)
     return list(getattr(accelerator, f"_{what}", ()))
+
+
+def _report_fused_skips(accelerated: AcceleratedOptimizer, scaler: GradScaler) -> None:
+    """Make ``step_was_skipped`` true for a skipped step of a fused optimizer (one host read per step).
+
+    Accelerate tells a skipped step by whether the scaler called the
+    optimizer's ``step``; a fused optimizer (``fused=True`` AdamW, the HF
+    Trainer's default ``adamw_torch_fused``) is always called and skips inside
+    its kernel, so Accelerate would report every step as taken and step the LR
+    scheduler after a skip.  After each synced step, its (private)
+    ``_is_overflow`` flag is set from the scaler's state instead.
+    """
+    step = accelerated.step
+
+    def checked_step(self: AcceleratedOptimizer, *args: Any, **kwargs: Any) -> Any:
+        output = step(*args, **kwargs)
+        if self.gradient_state.sync_gradients and scaler.is_enabled() and scaler.config.skip_nonfinite:
+            self._is_overflow = scaler.state.consecutive_nonfinite > 0
+        return output
+
+    # a bound method, as torch's LR schedulers expect of optimizer.step (they wrap its __func__)
+    accelerated.step = types.MethodType(functools.wraps(step.__func__)(checked_step), accelerated)  # type: ignore[method-assign]
 
 
 def _check(accelerator: Any) -> None:
@@ -106,7 +130,10 @@ def attach(
     parameters are upcast to float32 master weights); and
     ``accelerator.unscale_gradients`` unscales through the mpx scaler, once
     per optimizer per step, so ``clip_grad_norm_`` (whose returned norm is
-    the unscaled one) and ``clip_grad_value_`` see the true gradients.
+    the unscaled one) and ``clip_grad_value_`` see the true gradients; and
+    ``accelerator.prepare_optimizer`` makes a fused optimizer's
+    ``step_was_skipped`` report the scaler's decision (Accelerate alone reports
+    every fused step as taken; this costs one host read per step).
 
     Raises:
         mpx.UnsupportedTypeError: for something other than an Accelerator.
@@ -127,6 +154,15 @@ def attach(
         prepare(model, resolved, device_type=device_type, op_table=op_table)
         return original_prepare_model(model, *args, **kwargs)
 
+    original_prepare_optimizer = accelerator.prepare_optimizer
+
+    @functools.wraps(original_prepare_optimizer)
+    def prepare_optimizer(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        accelerated = original_prepare_optimizer(optimizer, *args, **kwargs)
+        if isinstance(accelerated, AcceleratedOptimizer) and step_supports_amp_scaling(accelerated.optimizer):
+            _report_fused_skips(accelerated, scaler)
+        return accelerated
+
     def unscale_gradients(optimizer: Any = None) -> None:
         """Unscale the gradients of ``optimizer`` (or of every prepared one) through the mpx scaler."""
         if optimizer is None:
@@ -142,5 +178,6 @@ def attach(
 
     accelerator.scaler = scaler
     accelerator.prepare_model = prepare_model  # type: ignore[method-assign]
+    accelerator.prepare_optimizer = prepare_optimizer  # type: ignore[method-assign]
     accelerator.unscale_gradients = unscale_gradients  # type: ignore[method-assign]
     return scaler

@@ -37,6 +37,7 @@ from torch.nn import Module
 from torch.optim import LBFGS, Optimizer
 
 from mpx import MPXError, OpTable, Policy, PolicySpec, ScalerConfig, get_policy
+from mpx_torch._compat import step_supports_amp_scaling
 from mpx_torch._integrations import (
     HalfParametersWarning,
     lightning_precision,
@@ -54,8 +55,8 @@ _NATIVE_CHECKPOINT_KEYS = ("MixedPrecision", "native_amp_scaling_state")
 
 
 def _handles_unscaling(optimizer: Any) -> bool:
-    # a fused optimizer unscales inside its step (torch's public flag on the optimizer class)
-    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+    # a fused optimizer unscales inside its step: unscaled here only to clip
+    return step_supports_amp_scaling(optimizer)
 
 
 class _MPXPlugin:
@@ -165,8 +166,10 @@ class MPXPrecision(_MPXPlugin, Precision):
         closure_result = closure()
         # automatic optimization whose training_step returned None: no backward, nothing to step
         skip = closure_result is None and model.automatic_optimization
-        if not skip and not _handles_unscaling(optimizer):
-            unscale_once(self.scaler, optimizer)  # before on_before_optimizer_step and clipping
+        # unscaled before on_before_optimizer_step and clipping; a fused optimizer unscales in its step
+        clipping = bool(model.trainer.gradient_clip_val)
+        if not skip and (clipping or not _handles_unscaling(optimizer)):
+            unscale_once(self.scaler, optimizer)
         self._after_closure(model, optimizer)
         if skip:
             return closure_result
@@ -178,13 +181,12 @@ class MPXPrecision(_MPXPlugin, Precision):
         clip_val: int | float = 0.0,
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
     ) -> None:
-        """Clip the unscaled gradients (unscaling first when this step has not yet)."""
+        """Clip the unscaled gradients (unscaling first when this step has not yet).
+
+        Unlike Lightning's ``MixedPrecision``, fused optimizers clip too: the
+        gradients are unscaled here and their fused step is told so.
+        """
         if clip_val > 0:
-            if _handles_unscaling(optimizer):
-                raise MPXError(
-                    f"gradient clipping: {type(optimizer).__qualname__} unscales inside its fused step, so "
-                    "its gradients cannot be unscaled before clipping; use fused=False to clip"
-                )
             unscale_once(self.scaler, optimizer)
         super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
 
@@ -235,10 +237,5 @@ class MPXFabricPrecision(_MPXPlugin, FabricPrecision):
         return self._step_with_scaler(optimizer, **kwargs)
 
     def unscale_gradients(self, optimizer: Optimizer) -> None:
-        """Unscale before ``fabric.clip_gradients`` (once per step)."""
-        if _handles_unscaling(optimizer):
-            raise MPXError(
-                f"gradient clipping: {type(optimizer).__qualname__} unscales inside its fused step, so its "
-                "gradients cannot be unscaled before clipping; use fused=False to clip"
-            )
+        """Unscale before ``fabric.clip_gradients`` (once per step; fused optimizers too)."""
         unscale_once(self.scaler, optimizer)

@@ -40,8 +40,8 @@ def _batch(i, inf=False):
     return x, y
 
 
-def _prepare(accelerator, net):
-    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
+def _prepare(accelerator, net, fused=False):
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2, fused=fused)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (step + 1))
     return accelerator.prepare(net, optimizer, scheduler)
 
@@ -64,13 +64,14 @@ def _reference_norm(i):
     return torch.nn.utils.get_total_norm([p.grad for p in net.parameters()]).item()
 
 
-def test_clip_after_an_inf_is_unscaled_and_the_step_is_skipped():
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_clip_after_an_inf_is_unscaled_and_the_step_is_skipped(fused):
     accelerator = Accelerator(cpu=True)
     scaler = attach(accelerator, "mixed_float16", SMALL)
     net = _net()
     dtypes = []
     net[0].register_forward_hook(lambda m, i, o: dtypes.append(o.dtype))
-    model, optimizer, scheduler = _prepare(accelerator, net)
+    model, optimizer, scheduler = _prepare(accelerator, net, fused)
 
     norms, lrs = [], []
     for i, inf in enumerate([False, True, False]):

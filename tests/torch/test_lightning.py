@@ -38,8 +38,9 @@ def _net():
 
 
 class Model(L.LightningModule):
-    def __init__(self, clip_record=None):
+    def __init__(self, clip_record=None, fused=False):
         super().__init__()
+        self.fused = fused
         self.net = _net()
         self.linear_dtypes = []
         self.net[0].register_forward_hook(lambda m, i, o: self.linear_dtypes.append(o.dtype))
@@ -50,7 +51,7 @@ class Model(L.LightningModule):
         return torch.nn.functional.mse_loss(self.net(x), y)
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, fused=self.fused)
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
         grads = [p.grad for p in self.parameters() if p.grad is not None]
@@ -118,8 +119,9 @@ def test_precision_strings_follow_the_policy():
         assert _trainer(MPXPrecision(policy), 1).precision == expected
 
 
-def test_fit_skips_an_inf_batch_bit_identically():
-    snaps, model = Snapshots(), Model()
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_fit_skips_an_inf_batch_bit_identically(fused):
+    snaps, model = Snapshots(), Model(fused=fused)
     plugin = MPXPrecision("mixed_float16", SMALL)
     _trainer(plugin, 4, callbacks=[snaps]).fit(model, _batches(4, inf_at=2))
     assert set(model.linear_dtypes) == {torch.float16}  # the forward ran under the policy
@@ -132,9 +134,10 @@ def test_fit_skips_an_inf_batch_bit_identically():
     assert [snaps.scales[i] for i in range(4)] == [256.0, 256.0, 128.0, 128.0]
 
 
-def test_gradient_clip_val_clips_the_unscaled_norm():
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_gradient_clip_val_clips_the_unscaled_norm(fused):
     record = []
-    model = Model(clip_record=record)
+    model = Model(clip_record=record, fused=fused)
     reference = copy.deepcopy(model.net)  # float32, no scaling: the norm clipping must see
     batch = next(iter(_batches(1)))
     torch.nn.functional.mse_loss(reference(batch[0]), batch[1]).backward()
