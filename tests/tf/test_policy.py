@@ -397,6 +397,26 @@ def test_categories():
     assert model.get_layer("loss").compute_dtype == "float32"
 
 
+def test_categories_are_the_core_table():
+    """Parity with mpx.CATEGORY_CLASSES["keras"]: every class named there exists in this Keras and is
+    categorised as the table says, by the core's rule; the one Keras-only rule is Activation(softmax)."""
+    table = mpx.CATEGORY_CLASSES["keras"]
+    for category, names in table.items():
+        for name in names:
+            cls = getattr(keras.layers, name)  # a name this Keras lacks would be a stale table
+            assert mpx_tf.policy.CATEGORY_LAYERS[category].count(cls) == 1
+            layer = cls.__new__(cls)  # the class decides; no constructor arguments needed
+            assert category_of(layer) == mpx.category_of(layer, mpx_tf.policy.CATEGORY_LAYERS) == category
+    assert mpx_tf.policy.CATEGORY_LAYERS == mpx.resolve_categories("keras", keras.layers)
+    for activation in ("softmax", "log_softmax", keras.activations.softmax):
+        layer = L.Activation(activation)
+        assert mpx.category_of(layer, mpx_tf.policy.CATEGORY_LAYERS) is None and category_of(layer) == "softmax"
+    # the mpx_category attribute wins over the class, as in every backend
+    norm = L.LayerNormalization()
+    norm.mpx_category = "loss"
+    assert category_of(norm) == "loss"
+
+
 def test_non_float_layers_are_left_alone():
     with mpx_tf.policy_scope("mixed_float16"):
         inputs = keras.Input((3,), dtype="int32")
