@@ -176,7 +176,7 @@ class LossScale:
         self = plain_loss_scale(self)  # the values of NNX variables (nnx.Optimizer's OptArray)
         finite = jnp.asarray(finite)
         if finite.shape != ():
-            raise ValueError(f"finite: expected a scalar boolean, got an array of shape {finite.shape}.")
+            raise mpx.MPXError(f"finite: expected a scalar boolean, got an array of shape {finite.shape}.")
         finite = finite.astype(bool)
         cfg = self.config
         i32 = jnp.int32
@@ -319,15 +319,15 @@ def select_tree(pred: Any, on_true: Any, on_false: Any) -> Any:
     """
     pred = jnp.asarray(pred)
     if pred.shape != () or pred.dtype != jnp.bool_:
-        raise ValueError(f"pred: expected a boolean scalar, got dtype {pred.dtype} and shape {pred.shape}.")
+        raise mpx.MPXError(f"pred: expected a boolean scalar, got dtype {pred.dtype} and shape {pred.shape}.")
     ta, tb = jax.tree_util.tree_structure(on_true), jax.tree_util.tree_structure(on_false)
     if ta != tb:
-        raise ValueError(f"select_tree: the two trees differ in structure: {ta} and {tb}.")
+        raise mpx.MPXError(f"select_tree: the two trees differ in structure: {ta} and {tb}.")
 
     def sel(a: Any, b: Any) -> Any:
         a, b = jnp.asarray(a), jnp.asarray(b)
         if a.dtype != b.dtype or a.shape != b.shape:
-            raise ValueError(
+            raise mpx.MPXError(
                 f"select_tree: leaves differ: {a.dtype}{list(a.shape)} and {b.dtype}{list(b.shape)}."
             )
         return lax.select(pred, a, b) if a.shape == () else jnp.where(pred, a, b)

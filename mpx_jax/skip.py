@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mpx.errors import MPXError
 from mpx_jax._compat import INLINE_CALL_PRIMITIVES, ClosedJaxpr, Literal
 from mpx_jax._jaxpr import bind, eqn_context
 from mpx_jax.casting import is_floating_array
@@ -98,7 +99,7 @@ def kept_update(
     state_vars = closed.jaxpr.outvars[n_updates:]
     new_state_tree = jax.tree_util.tree_structure(out_shape[1])
     if new_state_tree != jax.tree_util.tree_structure(state):
-        raise ValueError(
+        raise MPXError(
             f"with_loss_scaling: the inner update returned a state of structure {new_state_tree}, "
             f"not that of the state it was given, {jax.tree_util.tree_structure(state)}."
         )
