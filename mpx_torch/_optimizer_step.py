@@ -185,11 +185,15 @@ def step_fused(
     even when skipping, so a skipped first step is decided here and leaves the state uncreated.
     """
     config = scaler.config
-    if record.stage is OptState.READY:
-        if config.scale_can_drop_below_one:
-            scaler.unscale_(optimizer)  # the fused kernel would unscale unchecked: unscale (and check) here
-        else:
-            scaler._check_inf_per_device(optimizer)
+    given = getattr(optimizer, "grad_scale", None)  # a scale the user set on the optimizer (torch's protocol)
+    if record.stage is OptState.READY and config.scale_can_drop_below_one:
+        scaler.unscale_(optimizer)  # the fused kernel would unscale unchecked: unscale (and check) here
+        grad_scale = torch.ones_like(tensors.scale) if given is None else given  # nothing left to unscale
+    elif record.stage is OptState.READY:
+        scaler._check_inf_per_device(optimizer)
+        grad_scale = tensors.scale if given is None else tensors.scale * given
+    else:  # the user called unscale_()
+        grad_scale = given
     scaler._agree(record, tensors)
     found_inf = record.found_inf(tensors.device)
     if not config.skip_nonfinite:
@@ -197,11 +201,7 @@ def step_fused(
     elif has_fresh_state(optimizer) and found_inf.item():
         record.stage = OptState.STEPPED
         return None
-    optimizer.grad_scale = (  # type: ignore[attr-defined]
-        getattr(optimizer, "grad_scale", None)
-        if record.stage is OptState.UNSCALED
-        else tensors.scale * getattr(optimizer, "grad_scale", 1)
-    )
+    optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
     optimizer.found_inf = found_inf  # type: ignore[attr-defined]
     try:
         retval = optimizer.step(*args, **kwargs)
