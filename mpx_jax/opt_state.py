@@ -17,6 +17,16 @@ replaced, or, for an ``nnx.Optimizer`` (or an ``opt_state`` of NNX variables),
 the variables set in place.  Its config must be the optimizer's (the transform
 was built with it); load a saved scale with
 ``set_loss_scale(opt, get_loss_scale(opt).load_state_dict(saved))``.
+
+>>> import jax.numpy as jnp, optax, mpx_jax
+>>> tx = mpx_jax.with_loss_scaling(optax.adam(1e-3), "mixed_float16")
+>>> state = tx.init({"w": jnp.ones(3)})
+>>> ls = get_loss_scale(state)
+>>> ls.get_scale(), ls.state.steps
+(65536.0, 0)
+>>> resumed = ls.load_state_dict({**ls.state_dict(), "scale": 1024.0})
+>>> get_loss_scale(set_loss_scale(state, resumed)).get_scale()
+1024.0
 """
 
 from __future__ import annotations
