@@ -87,3 +87,21 @@ def test_no_private_jax_access_outside_compat():
         imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names
                     if n.module and n.module.startswith("jax")}  # fmt: skip
         assert not (used | imported) & forbidden, (module.__name__, (used | imported) & forbidden)
+
+
+def test_get_loss_scale_under_a_flax_without_nnx_optimizer_names_it(monkeypatch):
+    nnx = pytest.importorskip("flax.nnx")
+    state = mpx_jax.with_loss_scaling(optax.sgd(0.1)).init({"w": jnp.ones(2)})
+    assert mpx_jax.get_loss_scale(state).get_scale() == 65536.0
+    monkeypatch.delattr(nnx, "Optimizer")
+    with pytest.raises(mpx.FrameworkVersionError, match="has no flax.nnx.Optimizer, which mpx uses for"):
+        mpx_jax.get_loss_scale(state)
+
+
+def test_an_old_flax_is_refused_when_first_used(monkeypatch):
+    flax = pytest.importorskip("flax")
+    monkeypatch.setattr(_compat, "_FLAX_CHECKED", False)
+    monkeypatch.setattr(flax, "__version__", "0.10.0")
+    state = mpx_jax.with_loss_scaling(optax.sgd(0.1)).init({"w": jnp.ones(2)})
+    with pytest.raises(mpx.FrameworkVersionError, match=r"flax 0\.10\.0 is older than mpx supports"):
+        mpx_jax.get_loss_scale(state)
