@@ -31,8 +31,16 @@ Which policy applies, innermost first:
    policy is still the one it set), except inside a layer whose compute
    dtype differs from it (a layer created with ``dtype="float32"``).
 
-A policy whose compute dtype is not half precision changes nothing.  The
-choice is made at trace time: a ``tf.function`` traced under one policy keeps
+Each of them comes with its op table (``op_table=`` of :func:`autocast`,
+:func:`mpx_tf.policy_scope`, :func:`mpx_tf.set_global_policy`,
+:func:`mpx_tf.apply_policy`; default :data:`mpx.OP_TABLE`).
+
+A policy whose compute dtype is not half precision changes nothing, except
+in a float32 scope nested in a mixed one (an :func:`autocast` or
+:func:`mpx_tf.policy_scope` of such a policy entered where a lowering policy
+is in force): there it forces float32, as a float32 region in every mpx
+backend: LOWER and FLOAT32 ops compute half inputs in float32 (PROMOTE ops
+still take the widest input).  The choice is made at trace time: a ``tf.function`` traced under one policy keeps
 its casts when later called under another (trace it again to change them).
 
 >>> import keras
@@ -51,18 +59,29 @@ import functools
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import keras
 import tensorflow as tf
 
 import mpx
 from mpx.errors import MPXError
-from mpx.ops import OpClass
+from mpx.ops import OpClass, OpTable
 from mpx_tf import _compat
 from mpx_tf.dtype_policy import choices_of
 
-__all__ = ["KERAS_OPS", "LOSS_FUNCTIONS", "TF_OPS", "autocast", "autocast_op", "wrapped_functions"]
+__all__ = [
+    "KERAS_OPS",
+    "LOSS_FUNCTIONS",
+    "TF_OPS",
+    "Rule",
+    "active_rule",
+    "autocast",
+    "autocast_op",
+    "check_op_table",
+    "nested_rule",
+    "wrapped_functions",
+]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -161,7 +180,47 @@ def enable() -> None:
     _enabled = True
 
 
-def _stack() -> list[mpx.Policy]:
+class Rule(NamedTuple):
+    """What the op table does at a call: the policy, the op table, and whether it forces float32.
+
+    ``forced``: a float32 scope (a policy that does not lower precision) entered
+    inside one that does: LOWER and FLOAT32 ops compute half inputs in float32
+    there (as ``torch.autocast(enabled=False)`` inside an autocast region, in
+    mpx_torch), PROMOTE ops still take the widest input.
+    """
+
+    policy: mpx.Policy
+    table: OpTable
+    forced: bool = False
+
+
+def check_op_table(op_table: Any) -> OpTable:
+    """``op_table`` (an :class:`mpx.OpTable`, or None for :data:`mpx.OP_TABLE`) as an OpTable.
+
+    Raises:
+        MPXError: for anything else.
+    """
+    if op_table is None:
+        return mpx.OP_TABLE
+    if not isinstance(op_table, OpTable):
+        raise MPXError(f"op_table: expected an mpx.OpTable or None, got {type(op_table).__name__}.")
+    return op_table
+
+
+def nested_rule(policy: mpx.Policy, table: OpTable) -> Rule:
+    """The rule of a scope of ``policy`` entered here: it forces float32 when ``policy`` does not lower
+    precision and the rule in force here (a layer's, a scope's or the global policy's) lowers or forces."""
+    enclosing = active_rule()
+    forced = (
+        not policy.lowers_precision
+        and enclosing is not None
+        and (enclosing.policy.lowers_precision or enclosing.forced)
+    )
+    return Rule(policy, table, forced)
+
+
+def _stack() -> list[tuple[Rule, int]]:
+    """The autocast scopes of this thread: (rule, depth of Keras's name-scope stack at entry)."""
     stack = getattr(_local, "stack", None)
     if stack is None:
         stack = _local.stack = []
@@ -169,50 +228,73 @@ def _stack() -> list[mpx.Policy]:
 
 
 @contextlib.contextmanager
-def autocast(policy: mpx.PolicySpec) -> Iterator[mpx.Policy]:
+def autocast(policy: mpx.PolicySpec, *, op_table: OpTable | None = None) -> Iterator[mpx.Policy]:
     """A scope in which ``keras.ops``, ``keras.losses`` and ``tf`` functions follow the op table.
 
     Works eagerly, around ``tf.function`` tracing and around ``model.fit``
     (which traces its step inside the scope).  Nested scopes: the innermost
-    wins.  Layers given an mpx policy by :func:`mpx_tf.apply_policy` use
-    their own policy inside their ``call``.  Yields the mpx policy.
+    wins; a float32 scope (a policy that does not lower precision) nested in a
+    mixed one forces float32: LOWER and FLOAT32 ops compute half inputs in
+    float32 inside it, as a float32 region in every mpx backend.  Layers given
+    an mpx policy by :func:`mpx_tf.apply_policy` use their own policy inside
+    their ``call``.  Yields the mpx policy.
+
+    Args:
+        policy: the policy (or spec).
+        op_table: keyword only; the op classes (default None: :data:`mpx.OP_TABLE`).
+            Ops missing from it are left alone; ``OP_TABLE.replace(softmax="lower")``
+            moves one op to another class.
 
     Raises:
         PolicyError: for a spec :func:`mpx.get_policy` cannot read.
+        MPXError: for an ``op_table`` that is not an :class:`mpx.OpTable`.
     """
     p = mpx.get_policy(policy)
+    table = check_op_table(op_table)
     enable()
     stack = _stack()
-    stack.append(p)
+    stack.append((nested_rule(p, table), len(_compat.name_scope_stack())))
     try:
         yield p
     finally:
         stack.pop()
 
 
-def _innermost_layer() -> Any:
+def _innermost_layer() -> tuple[Any, int]:
+    """The innermost Keras layer being called and its place in the name-scope stack; (None, -1) for none."""
     names = _compat.name_scope_stack()
-    if names:
-        for scope in reversed(names):
-            caller = getattr(scope, "caller", None)
-            if isinstance(caller, keras.layers.Layer):
-                return caller
-    return None
+    for index in range(len(names) - 1, -1, -1):
+        caller = getattr(names[index], "caller", None)
+        if isinstance(caller, keras.layers.Layer):
+            return caller, index
+    return None, -1
 
 
-def _active_policy() -> mpx.Policy | None:
-    layer = _innermost_layer()
+#: The attribute (in a layer's ``__dict__``, not tracked or saved) holding the op table
+#: :func:`mpx_tf.apply_policy` was given, when it is not :data:`mpx.OP_TABLE`.
+LAYER_TABLE = "_mpx_op_table"
+
+
+def active_rule() -> Rule | None:
+    """The rule in force at a call here: the innermost layer's mpx policy, else the innermost
+    :func:`autocast` scope, else the global policy (see the module docs); None for none.
+
+    An :func:`autocast` scope entered inside a layer's ``call`` is inner to that layer: it wins.
+    """
+    layer, index = _innermost_layer()
+    stack = getattr(_local, "stack", None)
+    if stack and stack[-1][1] > index:  # the scope was entered inside the layer's call
+        return stack[-1][0]
     if layer is not None:
         own = choices_of(layer.dtype_policy)
         if own is not None:
-            return own.policy
-    stack = getattr(_local, "stack", None)
+            return Rule(own.policy, layer.__dict__.get(LAYER_TABLE, mpx.OP_TABLE))
     if stack:
-        return stack[-1]
-    from mpx_tf.policy import active_global_policy
+        return stack[-1][0]
+    from mpx_tf.policy import active_global_rule
 
-    g = active_global_policy()
-    if g is None or (layer is not None and layer.compute_dtype != g.compute_dtype):
+    g = active_global_rule()
+    if g is None or (layer is not None and layer.compute_dtype != g.policy.compute_dtype):
         return None
     return g
 
@@ -270,17 +352,24 @@ def _retype(cls: OpClass, policy: mpx.Policy, args: tuple, kwargs: dict) -> tupl
 
 
 @functools.lru_cache(maxsize=512)
-def _op_class(op: str, policy: mpx.Policy) -> OpClass | None:
-    if not policy.lowers_precision:
+def _op_class(op: str, rule: Rule) -> OpClass | None:
+    """The class ``op`` follows under ``rule``; None: the call is left alone."""
+    if op not in rule.table:
         return None
-    return mpx.OP_TABLE.classify(op, policy)
+    if rule.forced:  # a float32 scope in a mixed one
+        cls = rule.table[op]
+        return OpClass.FLOAT32 if cls in (OpClass.LOWER, OpClass.FLOAT32) else cls
+    if not rule.policy.lowers_precision:
+        return None
+    return rule.table.classify(op, rule.policy)
 
 
 def _call(op: str, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    policy = _active_policy()
-    cls = None if policy is None else _op_class(op, policy)
-    if cls is None:
+    rule = active_rule()
+    cls = None if rule is None else _op_class(op, rule)
+    if cls is None or cls is OpClass.PASSTHROUGH:
         return original(*args, **kwargs)
+    policy = rule.policy
     args, kwargs = _retype(cls, policy, args, kwargs)
     _local.depth = 1
     try:

@@ -22,12 +22,14 @@ import tensorflow as tf
 import mpx
 from mpx.errors import MPXError, PolicyError, UnsupportedTypeError
 from mpx_tf import _compat
+from mpx_tf.autocast import LAYER_TABLE, Rule, check_op_table, nested_rule
 from mpx_tf.autocast import enable as _enable_autocast
 from mpx_tf.dtype_policy import NAME_PREFIX, cast_output, mpx_name
 
 __all__ = [
     "NAME_PREFIX",
     "active_global_policy",
+    "active_global_rule",
     "apply_policy",
     "category_of",
     "get_global_policy",
@@ -72,31 +74,39 @@ def _device() -> str:
 _local = threading.local()
 
 
-def set_global_policy(policy: mpx.PolicySpec) -> mpx.Policy:
+def set_global_policy(policy: mpx.PolicySpec, *, op_table: mpx.OpTable | None = None) -> mpx.Policy:
     """Make ``policy`` Keras's global dtype policy; returns the mpx policy.
 
     Layers created afterwards compute in the policy's compute dtype and keep
     their variables in its param dtype.  Per-layer overrides (norms and
     softmax in float32) and the output dtype need :func:`apply_policy` on
-    the built model: Keras has no global hook for them.
+    the built model: Keras has no global hook for them.  User code's
+    ``keras.ops``/``tf`` calls follow ``op_table`` (keyword only; default None:
+    :data:`mpx.OP_TABLE`) under it, as in :func:`mpx_tf.autocast`.
 
     Raises:
         PolicyError: for a spec :func:`mpx.get_policy` cannot read.
+        MPXError: for an ``op_table`` that is not an :class:`mpx.OpTable`.
     """
     p = mpx.get_policy(policy)
-    kp = keras_dtype_policy(p)
-    mpx.warn_if_slow("tf", p, _device(), stacklevel=3)
-    keras.config.set_dtype_policy(kp)
-    _local.current = (p, keras.config.dtype_policy())
-    _enable_autocast()
+    table = check_op_table(op_table)
+    _set_global(Rule(p, table), stacklevel=4)
     return p
 
 
-def active_global_policy() -> mpx.Policy | None:
-    """The policy :func:`set_global_policy` set, while Keras's global policy is still the one it set; else None.
+def _set_global(rule: Rule, stacklevel: int) -> None:
+    kp = keras_dtype_policy(rule.policy)
+    mpx.warn_if_slow("tf", rule.policy, _device(), stacklevel=stacklevel)
+    keras.config.set_dtype_policy(kp)
+    _local.current = (rule, keras.config.dtype_policy())
+    _enable_autocast()
 
-    This is the policy :func:`mpx_tf.autocast`'s op table falls back on
-    outside any ``autocast`` scope.
+
+def active_global_rule() -> Rule | None:
+    """The op-table rule of the policy :func:`set_global_policy` (or :func:`policy_scope`) set, while
+    Keras's global policy is still the one it set; else None.
+
+    This is what :func:`mpx_tf.autocast`'s op table falls back on outside any ``autocast`` scope.
     """
     current = getattr(_local, "current", None)
     if current is not None and current[1] is keras.config.dtype_policy():
@@ -104,13 +114,16 @@ def active_global_policy() -> mpx.Policy | None:
     return None
 
 
+def active_global_policy() -> mpx.Policy | None:
+    """The policy of :func:`active_global_rule`, or None."""
+    rule = active_global_rule()
+    return None if rule is None else rule.policy
+
+
 def get_global_policy() -> mpx.Policy:
     """The mpx policy last set by :func:`set_global_policy`, or one read from Keras's global policy."""
-    current = getattr(_local, "current", None)
-    kp = keras.config.dtype_policy()
-    if current is not None and current[1] is kp:
-        return current[0]
-    return _from_keras(kp)
+    rule = active_global_rule()
+    return _from_keras(keras.config.dtype_policy()) if rule is None else rule.policy
 
 
 def _from_keras(kp: keras.DTypePolicy) -> mpx.Policy:
@@ -123,8 +136,14 @@ def _from_keras(kp: keras.DTypePolicy) -> mpx.Policy:
 
 
 @contextlib.contextmanager
-def policy_scope(policy: mpx.PolicySpec) -> Iterator[mpx.Policy]:
+def policy_scope(policy: mpx.PolicySpec, *, op_table: mpx.OpTable | None = None) -> Iterator[mpx.Policy]:
     """Set the global policy inside a ``with`` block, restoring the previous one on exit (errors too).
+
+    ``op_table`` (keyword only; default None: :data:`mpx.OP_TABLE`) is the op
+    table user code follows inside, as :func:`set_global_policy`'s.  A float32
+    scope (a policy that does not lower precision) nested in a mixed one forces
+    float32: new layers compute in float32, and LOWER and FLOAT32 ops of user
+    code compute half inputs in float32, as in :func:`mpx_tf.autocast`.
 
     >>> with policy_scope("mixed_bfloat16") as p:
     ...     keras.layers.Dense(2).compute_dtype
@@ -132,11 +151,13 @@ def policy_scope(policy: mpx.PolicySpec) -> Iterator[mpx.Policy]:
     >>> keras.config.dtype_policy().name
     'float32'
     """
-    p = mpx.get_policy(policy)  # a bad spec raises before anything changes
+    p = mpx.get_policy(policy)  # a bad spec or table raises before anything changes
+    table = check_op_table(op_table)
     previous_keras = keras.config.dtype_policy()
     previous = getattr(_local, "current", None)
     try:
-        yield set_global_policy(p)
+        _set_global(nested_rule(p, table), stacklevel=5)
+        yield p
     finally:
         keras.config.set_dtype_policy(previous_keras)
         _local.current = previous
@@ -235,7 +256,9 @@ def _own_float_variables(layer: keras.layers.Layer) -> list[Any]:
     ]
 
 
-def apply_policy(model: keras.layers.Layer, policy: mpx.PolicySpec | None = None) -> keras.layers.Layer:
+def apply_policy(
+    model: keras.layers.Layer, policy: mpx.PolicySpec | None = None, *, op_table: mpx.OpTable | None = None
+) -> keras.layers.Layer:
     """Give every layer of ``model`` its mpx policy; the model's outputs come out in ``output_dtype``.
 
     Each layer gets the Keras dtype policy of ``policy.for_module(path,
@@ -251,15 +274,23 @@ def apply_policy(model: keras.layers.Layer, policy: mpx.PolicySpec | None = None
     Args:
         model: a Keras model or layer (built or not).
         policy: a policy or spec; None uses :func:`get_global_policy`.
+        op_table: keyword only; the op classes the layers follow (default None:
+            :data:`mpx.OP_TABLE`): the autocast flag of layers that compute one op
+            (``ReLU``, ``Add``...) and the op table of ``keras.ops``/``tf`` calls in
+            every layer's ``call``.  It is kept on the layers, not saved: a model
+            loaded with ``keras.models.load_model`` follows :data:`mpx.OP_TABLE`
+            (call ``apply_policy`` again with the table).
 
     Raises:
         PolicyError: for a bad spec, or a built layer whose variables are not
             in the param dtype the policy assigns it.
         UnsupportedTypeError: when ``model`` is not a Keras layer or model.
+        MPXError: for an ``op_table`` that is not an :class:`mpx.OpTable`.
     """
     if not isinstance(model, keras.layers.Layer):
         raise UnsupportedTypeError(f"model: expected a Keras model or layer, got {type(model).__name__}.")
     p = get_global_policy() if policy is None else mpx.get_policy(policy)
+    table = check_op_table(op_table)
     mpx.warn_if_slow("tf", p, _device(), stacklevel=3)
     _enable_autocast()
     outputs = {id(layer) for layer in _output_layers(model)}
@@ -286,7 +317,11 @@ def apply_policy(model: keras.layers.Layer, policy: mpx.PolicySpec | None = None
             # up to the layer's compute dtype before call().
             autocast = True
         op = op_of(layer)
-        if op is not None and mpx.OP_TABLE.classify(op, lp) in (mpx.OpClass.PASSTHROUGH, mpx.OpClass.PROMOTE):
+        if (
+            op is not None
+            and op in table
+            and table.classify(op, lp) in (mpx.OpClass.PASSTHROUGH, mpx.OpClass.PROMOTE)
+        ):
             # Keras casts every layer's floating inputs to its compute dtype; the op
             # table says these ops keep their input dtype (or promote mixed inputs).
             autocast = False
@@ -297,6 +332,10 @@ def apply_policy(model: keras.layers.Layer, policy: mpx.PolicySpec | None = None
         output = p.output_dtype if layer is model else None
         model_output = p.output_dtype if id(layer) in outputs else None
         layer.dtype_policy = keras.DTypePolicy(mpx_name(lp, autocast, output, model_output))
+        if table is mpx.OP_TABLE:
+            layer.__dict__.pop(LAYER_TABLE, None)
+        else:  # untracked: Keras neither tracks nor saves it
+            layer.__dict__[LAYER_TABLE] = table
     _install_output_cast(model, p.output_dtype)
     for name in ("train_function", "test_function", "predict_function"):
         if getattr(model, name, None) is not None:  # traced under the old dtypes

@@ -97,14 +97,104 @@ def test_keras_losses_called_directly():
 def test_nested_scopes_and_errors():
     x = tf.ones((2, 3), "bfloat16")
     with mpx_tf.autocast("mixed_bfloat16"):
-        with mpx_tf.autocast("float32"):
-            assert keras.ops.softmax(x).dtype == tf.bfloat16
+        with mpx_tf.autocast("mixed_float16"):  # the innermost wins
+            assert keras.ops.matmul(tf.ones((2, 3)), tf.ones((3, 2))).dtype == tf.float16
         assert keras.ops.softmax(x).dtype == tf.float32
     with pytest.raises(mpx.PolicyError):
         with mpx_tf.autocast("float17"):
             pass
     with pytest.raises(mpx.MPXError, match="not in the op table"):
         mpx_tf.autocast_op("softmaxx")
+    for scope in (mpx_tf.autocast, mpx_tf.policy_scope):
+        with pytest.raises(mpx.MPXError, match="op_table: expected an mpx.OpTable or None, got dict"):
+            with scope("mixed_float16", op_table={"softmax": "lower"}):
+                pass
+    with pytest.raises(mpx.MPXError, match="op_table: expected an mpx.OpTable"):
+        mpx_tf.apply_policy(keras.Sequential([keras.Input((2,)), L.Dense(2)]), "mixed_float16", op_table="x")
+
+
+H16, W16 = (
+    tf.constant([[1.0, 2.0, 3.0]] * 2, "float16"),
+    tf.constant([[0.1, 0.2], [0.3, 0.4], [0.5, 0.7]], "float16"),
+)
+
+
+def _forced_float32():
+    """Under a float32 region: LOWER and FLOAT32 ops compute the half inputs in float32, exactly."""
+    out = keras.ops.matmul(H16, W16)
+    assert out.dtype == tf.float32
+    np.testing.assert_array_equal(
+        out.numpy(), tf.matmul(tf.cast(H16, "float32"), tf.cast(W16, "float32")).numpy()
+    )
+    assert tf.matmul(H16, W16).dtype == tf.float32
+    assert keras.ops.softmax(tf.ones((2, 3), "bfloat16")).dtype == tf.float32
+    assert keras.ops.add(H16, tf.ones((2, 3))).dtype == tf.float32  # PROMOTE: the widest input
+    assert keras.ops.relu(H16).dtype == tf.float16  # PASSTHROUGH: untouched
+
+
+def test_a_float32_autocast_nested_in_a_mixed_one_forces_float32():
+    with mpx_tf.autocast("float32"):  # at top level there is nothing to force: a no-op
+        assert keras.ops.matmul(H16, W16).dtype == tf.float16
+    with mpx_tf.autocast("mixed_float16"):
+        assert keras.ops.matmul(H16, W16).dtype == tf.float16
+        with mpx_tf.autocast("float32"):
+            _forced_float32()
+            with mpx_tf.autocast("float32"):  # still inside the mixed scope
+                _forced_float32()
+            with mpx_tf.autocast("mixed_bfloat16"):  # a mixed scope inside lowers again
+                assert keras.ops.matmul(tf.ones((2, 3)), tf.ones((3, 2))).dtype == tf.bfloat16
+            traced = tf.function(lambda: keras.ops.matmul(H16, W16))
+            assert traced().dtype == tf.float32
+        assert keras.ops.matmul(H16, W16).dtype == tf.float16  # restored on exit
+
+
+def test_a_float32_policy_scope_nested_in_a_mixed_one_forces_float32():
+    with mpx_tf.policy_scope("mixed_float16"):
+        assert keras.ops.softmax(H16).dtype == tf.float32 and keras.ops.matmul(H16, W16).dtype == tf.float16
+        with mpx_tf.policy_scope("float32"):
+            assert L.Dense(2).compute_dtype == "float32"  # new layers too
+            _forced_float32()
+        assert keras.ops.matmul(H16, W16).dtype == tf.float16
+    with mpx_tf.policy_scope("float32"):  # not nested: nothing forced
+        assert keras.ops.matmul(H16, W16).dtype == tf.float16
+
+
+class Float32Island(L.Layer):
+    """A custom layer that computes a block of its call in a float32 autocast scope."""
+
+    def call(self, x):
+        with mpx_tf.autocast("float32"):
+            return keras.ops.matmul(x, keras.ops.transpose(x))
+
+
+def test_a_float32_scope_inside_a_layer_call_forces_float32():
+    with mpx_tf.policy_scope("mixed_float16"):
+        model = keras.Sequential([keras.Input((3,)), L.Dense(3), Float32Island()])
+    mpx_tf.apply_policy(model, "mixed_float16")
+    assert model(tf.ones((2, 3))).dtype == tf.float32  # the island's matmul of float16 inputs: float32
+
+
+def test_op_table_on_autocast_policy_scope_and_apply_policy():
+    table = mpx.OP_TABLE.replace(softmax="lower", sum="lower", matmul="float32")
+    x = tf.ones((2, 3), "float16")
+    with mpx_tf.autocast("mixed_float16", op_table=table):
+        assert keras.ops.softmax(x).dtype == tf.float16  # LOWER now
+        assert keras.ops.matmul(H16, W16).dtype == tf.float32  # FLOAT32 now
+    with mpx_tf.autocast("mixed_float16", op_table=mpx.OP_TABLE.without("softmax")):
+        assert keras.ops.softmax(x).dtype == tf.float16  # not in the table: left alone
+    with mpx_tf.policy_scope("mixed_float16", op_table=table):
+        assert keras.ops.softmax(x).dtype == tf.float16
+    with mpx_tf.policy_scope("mixed_float16"):
+        assert keras.ops.softmax(x).dtype == tf.float32  # the default table again
+        model = keras.Sequential([keras.Input((3,)), L.Dense(3), Recording(3), L.ReLU()])
+    mpx_tf.apply_policy(model, "mixed_float16", op_table=table.replace(relu="float32"))
+    assert model.layers[-1].autocast is True  # relu is FLOAT32 in this table: Keras casts its inputs
+    model(tf.ones((2, 3)))
+    assert Recording.seen["softmax"] == "float16" and Recording.seen["matmul"] == "float32"
+    mpx_tf.apply_policy(model, "mixed_float16")  # again with the default table
+    assert model.layers[-1].autocast is False
+    model(tf.ones((2, 3)))
+    assert Recording.seen["softmax"] == "float32" and Recording.seen["matmul"] == "float16"
 
 
 def test_set_global_policy_switches_the_table_on():
