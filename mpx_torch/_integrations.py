@@ -72,5 +72,5 @@ def unscale_once(scaler: GradScaler, optimizer: Any) -> None:
     """
     if not scaler.is_enabled():
         return
-    if scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY:
+    if scaler.optimizer_stage(optimizer) is OptState.READY:
         scaler.unscale_(optimizer)
