@@ -5,6 +5,11 @@
 >>> scaler = mpx_torch.GradScaler("mixed_float16")
 >>> scaler.config.kind
 'dynamic'
+
+Integrations, each imported on its own (importing mpx_torch imports none of these libraries):
+``mpx_torch.lightning`` (``MPXPrecision`` for Lightning's Trainer, ``MPXFabricPrecision`` for Fabric),
+``mpx_torch.accelerate`` (``attach(accelerator, policy)``),
+``mpx_torch.transformers`` (``MPXTrainer`` / ``MPXTrainerMixin`` for the HF Trainer).
 """
 
 from mpx_torch import _compat  # noqa: F401  (first: the torch version check)

@@ -197,3 +197,10 @@ def _run_docs_example(name, tmp_path):
 def test_the_docs_example_runs(tmp_path):
     lines = _run_docs_example("torch-accelerate", tmp_path).splitlines()
     assert len(lines) == 4 and all(line.startswith("norm ") for line in lines)
+
+
+def test_importing_mpx_torch_imports_no_training_library():
+    code = "import sys, mpx_torch; print(sorted({'accelerate', 'lightning', 'transformers'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
