@@ -62,8 +62,22 @@ try:
 except ImportError as exc:  # pragma: no cover - jax.extend.core is public since jax 0.4.30
     raise _missing("jax.extend.core.ClosedJaxpr/Literal", "with_loss_scaling's skip") from exc
 
+
+def _inline_call_primitives() -> frozenset[str]:
+    from jax.extend.core import primitives
+
+    used_for = "with_loss_scaling's skip (state computed inside a jit call)"
+    names = frozenset(
+        _attr(_attr(primitives, attr, f"jax.extend.core.primitives.{attr}", used_for), "name", attr, used_for)
+        for attr in ("jit_p", "closed_call_p")
+    )
+    if names != {"jit", "closed_call"}:
+        raise _missing(f"the call primitives named 'jit' and 'closed_call' (found {sorted(names)})", used_for)
+    return names
+
+
 #: Call primitives whose body with_loss_scaling's skip runs inline (their jaxpr is in ``params["jaxpr"]``).
-INLINE_CALL_PRIMITIVES = frozenset({"jit", "pjit", "closed_call", "core_call"})
+INLINE_CALL_PRIMITIVES = _inline_call_primitives()
 
 
 def typeof(x: Any) -> Any:

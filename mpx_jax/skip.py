@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mpx.errors import MPXError
-from mpx_jax._compat import INLINE_CALL_PRIMITIVES, ClosedJaxpr, Literal
+from mpx_jax._compat import INLINE_CALL_PRIMITIVES, ClosedJaxpr, Literal, param
 from mpx_jax._jaxpr import bind, eqn_context
 from mpx_jax.casting import is_floating_array
 from mpx_jax.loss_scale import select_tree
@@ -54,7 +54,7 @@ def _run_keeping(
 
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
-        body = eqn.params.get("jaxpr") if eqn.primitive.name in INLINE_CALL_PRIMITIVES else None
+        body = param(eqn, "jaxpr") if eqn.primitive.name in INLINE_CALL_PRIMITIVES else None
         with eqn_context(eqn):
             # inlined only where it computes kept state (run as one call elsewhere, as the inner update
             # would run it: an eager jit call compiles its body as a whole)

@@ -105,3 +105,12 @@ def test_an_old_flax_is_refused_when_first_used(monkeypatch):
     state = mpx_jax.with_loss_scaling(optax.sgd(0.1)).init({"w": jnp.ones(2)})
     with pytest.raises(mpx.FrameworkVersionError, match=r"flax 0\.10\.0 is older than mpx supports"):
         mpx_jax.get_loss_scale(state)
+
+
+def test_the_skip_under_a_jax_without_its_call_primitive_names_it(monkeypatch):
+    from jax.extend.core import primitives
+
+    assert _compat._inline_call_primitives() == {"jit", "closed_call"}
+    monkeypatch.delattr(primitives, "jit_p")
+    with pytest.raises(mpx.FrameworkVersionError, match="jax.extend.core.primitives.jit_p.*with_loss_scaling"):
+        _compat._inline_call_primitives()
