@@ -132,7 +132,9 @@ def dynamo_skip_code(code: CodeType) -> None:
     internal(eval_frame, "skip_code", "torch._dynamo.eval_frame.skip_code", _DYNAMO_USE)(code)
 
 
-_HOOKS_USE = "running prepare's forward hooks eagerly when torch.compile(model) calls them as frames of their own"
+_HOOKS_USE = (
+    "running prepare's forward hooks eagerly when torch.compile(model) calls them as frames of their own"
+)
 
 
 def dynamo_run_eagerly(code: CodeType) -> None:

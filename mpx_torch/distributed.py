@@ -39,6 +39,7 @@ __all__ = [
     "fully_shard",
     "group_to_agree",
     "register_comm_hook",
+    "torch_takes_bf16_hook",
 ]
 
 _HALF_REDUCE = {"bfloat16": "bf16_compress_hook", "float16": "fp16_compress_hook"}
@@ -115,8 +116,10 @@ def register_comm_hook(
       dtype) gradients: torch's ``bf16_compress_hook`` / ``fp16_compress_hook``
       (each bucket cast to the half dtype, divided by the world size, summed
       in that dtype, cast back).  Where torch refuses its bf16 hook (it
-      requires CUDA with NCCL 2.10+ or XPU by name, so gloo on CPU), the same
-      arithmetic runs as :func:`bf16_reduce_hook`.
+      requires CUDA with NCCL 2.10+ or XPU by name, so gloo on CPU:
+      :func:`torch_takes_bf16_hook`), the same arithmetic runs as
+      :func:`bf16_reduce_hook`.  This is decided before registering: an
+      error from ``ddp_model.register_comm_hook`` propagates, for either dtype.
     * Anything else (a reduce dtype wider than the gradients, float64, float16
       for bfloat16 gradients) raises: DDP cannot honour it.
 
@@ -139,19 +142,29 @@ def register_comm_hook(
         return None
     if reduce in _HALF_REDUCE and grads <= {"float32", reduce}:
         hook = getattr(default_hooks, _HALF_REDUCE[reduce])
-        try:
-            ddp_model.register_comm_hook(process_group, hook)
-        except TypeError:
+        if reduce == "bfloat16" and not torch_takes_bf16_hook():
             # torch refuses its bf16 hook by name unless CUDA with NCCL 2.10+ (or XPU) is there, though
-            # gloo reduces bfloat16: the same arithmetic under another name
+            # gloo reduces bfloat16: the same arithmetic under another name.  Decided up front: an error
+            # from registering a hook (either dtype) is the caller's, never a reason to swap hooks
             hook = bf16_reduce_hook
-            ddp_model.register_comm_hook(process_group, hook)
+        ddp_model.register_comm_hook(process_group, hook)
         return hook
     raise MPXError(
         f"policy: reduce_dtype {reduce} cannot be honoured by DDP for gradients stored in "
         f"{', '.join(sorted(grads))}; DDP reduces in the gradients' dtype, or in bfloat16/float16 for float32 "
         f"gradients (torch's compression hooks). Use reduce={'+'.join(sorted(grads))} or keep params float32."
     )
+
+
+def torch_takes_bf16_hook() -> bool:
+    """Whether DDP accepts torch's ``bf16_compress_hook`` here: CUDA (or ROCm) with NCCL 2.10+, or XPU with
+    XCCL (the condition ``DistributedDataParallel.register_comm_hook`` checks by the hook's name)."""
+    if not dist.is_available():
+        return False
+    gpu_build = torch.version.cuda is not None or torch.version.hip is not None
+    if gpu_build and dist.is_nccl_available() and torch.cuda.nccl.version() >= (2, 10):
+        return True
+    return bool(dist.is_xccl_available() and torch.xpu.is_available())
 
 
 def bf16_reduce_hook(process_group, bucket):  # type: ignore[no-untyped-def]  # DDP checks real annotations

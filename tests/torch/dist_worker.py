@@ -7,6 +7,7 @@ and saves what it saw to ``OUT_DIR/SUITE-RANK.pt`` (torch.save of plain data).
 
 from __future__ import annotations
 
+import datetime
 import os
 import sys
 import traceback
@@ -365,7 +366,15 @@ def main(argv):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    # a collective whose peer never comes fails after 15 minutes (saved as this rank's error), instead of
+    # gloo's default 30: only a hang guard, far above any wait a loaded machine causes
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(minutes=15),
+    )
     try:
         result = {"suite_ddp": suite_ddp, "suite_fsdp": suite_fsdp}[f"suite_{suite}"](rank)
     except Exception:

@@ -37,7 +37,9 @@ def _scaled_step(scaler):
 
 def test_every_private_torch_name_in_mpx_torch_goes_through_compat():
     """No module but _compat touches torch's underscore names (the gate is the only door)."""
-    private = re.compile(r"\btorch\._[A-Za-z]|\bnn\.modules\.\w+\._[A-Za-z]|\._values\(|\._parameters|\._buffers")
+    private = re.compile(
+        r"\btorch\._[A-Za-z]|\bnn\.modules\.\w+\._[A-Za-z]|\._values\(|\._parameters|\._buffers"
+    )
     offenders = []
     for path in sorted((ROOT / "mpx_torch").glob("*.py")):
         if path.name == "_compat.py":

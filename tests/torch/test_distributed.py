@@ -9,6 +9,7 @@ so the tests document it.
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -24,30 +25,43 @@ CONFIG = mpx.ScalerConfig(init_scale=2.0**10, growth_interval=2)
 STEPS, INF_STEP = 6, 2
 
 
+#: Only a hang guard (about 15 s on a quiet machine): a loaded machine must not fail the suite.  A rank
+#: that dies is noticed at once (its peer is stopped and the logs shown), without waiting for this.
+HANG_GUARD_S = 1800
+
+
 def _run_suite(suite: str, tmp: Path) -> list[dict]:
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")]),
     }
     init = tmp / f"{suite}-store"
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), suite, str(rank), "2", str(init), str(tmp)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    logs = []
+    log_paths = [tmp / f"{suite}-{rank}.log" for rank in range(2)]
+    procs = []
+    for rank, log_path in enumerate(log_paths):
+        with open(log_path, "w") as log:  # a file, not a pipe: a chatty rank never blocks on a full pipe
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(WORKER), suite, str(rank), "2", str(init), str(tmp)],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+    deadline = time.monotonic() + HANG_GUARD_S
     try:
-        for p in procs:
-            logs.append(p.communicate(timeout=150)[0])  # a hang guard: ~15 s unloaded
+        while any(p.poll() is None for p in procs):
+            if any(p.poll() not in (None, 0) for p in procs) or time.monotonic() > deadline:
+                break  # a rank failed (its peer would wait for it), or the suite hangs
+            time.sleep(0.2)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
+                p.wait()
+    logs = [f"rank {rank} (exit {p.returncode}):\n{path.read_text()}" for rank, (p, path) in
+            enumerate(zip(procs, log_paths, strict=True))]  # fmt: skip
+    assert all(p.returncode == 0 for p in procs), "\n".join(logs)
     results = []
     for rank in range(2):
         path = tmp / f"{suite}-{rank}.pt"
@@ -292,6 +306,31 @@ def test_world_of_one_and_group_of_one(monkeypatch, tmp_path):
             mpx_torch.register_comm_hook(bf16, "params=bfloat16,compute=bfloat16,reduce=float32")
         with pytest.raises(mpx.MPXError, match="float16 cannot be honoured"):
             mpx_torch.register_comm_hook(bf16, "params=bfloat16,compute=bfloat16,reduce=float16")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_comm_hook_is_chosen_up_front_and_registration_errors_propagate(tmp_path):
+    """No silent fallback (#22): the bf16 hook is mpx's only for a bfloat16 reduce dtype where torch refuses
+    its own, decided before registering; a TypeError from registering either hook reaches the caller."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    class RefusingDDP(nn.parallel.DistributedDataParallel):  # a user's wrapper that refuses comm hooks
+        def register_comm_hook(self, state, hook):
+            raise TypeError(f"refused {hook.__name__}")
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        assert not mpx_torch.distributed.torch_takes_bf16_hook()  # a CPU build: no NCCL, no XPU
+        fp16 = "params=float32,compute=float16,reduce=float16"
+        bf16 = "params=float32,compute=bfloat16,reduce=bfloat16"
+        ddp = nn.parallel.DistributedDataParallel(nn.Linear(4, 2))
+        assert mpx_torch.register_comm_hook(ddp, fp16) is default_hooks.fp16_compress_hook
+        ddp = nn.parallel.DistributedDataParallel(nn.Linear(4, 2))
+        assert mpx_torch.register_comm_hook(ddp, bf16) is mpx_torch.distributed.bf16_reduce_hook
+        for spec, name in ((fp16, "fp16_compress_hook"), (bf16, "bf16_reduce_hook")):
+            with pytest.raises(TypeError, match=f"^refused {name}$"):
+                mpx_torch.register_comm_hook(RefusingDDP(nn.Linear(4, 2)), spec)
     finally:
         dist.destroy_process_group()
 

@@ -3,6 +3,7 @@
 import copy
 import json
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -843,3 +844,84 @@ def test_grad_scaler_kwarg_protocol_as_torch(finite):
         assert opt.seen is scaler
         results.append((p.detach().clone(), scaler.get_scale()))
     assert torch.equal(results[0][0], results[1][0]) and results[0][1] == results[1][1]
+
+
+# -- a torch.amp.GradScaler (#23 item 2) --------------------------------------------------------------
+def test_is_a_torch_grad_scaler_without_torch_init():
+    scaler = GradScaler(mpx.ScalerConfig(init_scale=8.0))
+    assert isinstance(scaler, torch.amp.GradScaler) and issubclass(GradScaler, torch.amp.GradScaler)
+    # torch's __init__ did not run: it would have taken the device first and (device "cuda" without
+    # CUDA) disabled the scaler; its private config attributes do not exist here
+    assert scaler.is_enabled() and not hasattr(scaler, "_init_scale") and not hasattr(scaler, "_growth_factor")
+    assert scaler._scale is None and scaler._get_scale_async() is None and scaler._growth_tracker is None
+    w = nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([w], lr=0.1)
+    scaler.scale(w.sum()).backward()
+    # torch's private names are views of the mpx device state, no copies
+    assert scaler._scale is scaler._get_scale_async() is scaler._tensors.scale
+    assert scaler._scale.dtype == torch.float32 and scaler._growth_tracker.dtype == torch.int32
+    with pytest.raises(AttributeError):
+        scaler._scale = torch.ones(())  # read-only: the scale changes through update()/load_state_dict()
+    scaler.step(opt)
+    scaler.update()
+    assert scaler._get_growth_tracker() == scaler.state.growth_tracker == 1
+    assert GradScaler(enabled=False)._get_growth_tracker() == 0
+
+
+def test_parent_init_would_conflict():
+    """Measured reason torch's __init__ is not called: on a machine without CUDA its default device
+    disables the scaler, and on the CPU it assigns the names mpx reads from its device state."""
+    if torch.cuda.is_available():
+        pytest.skip("the disabling happens on machines without CUDA")
+    scaler = GradScaler()
+    with pytest.warns(UserWarning, match="CUDA is not available"):
+        torch.amp.GradScaler.__init__(scaler)
+    assert not scaler.is_enabled()
+    with pytest.raises(AttributeError, match="_scale"):
+        torch.amp.GradScaler.__init__(GradScaler(), "cpu")
+
+
+def test_optimizer_record_is_a_dataclass_with_torchs_keys():
+    scaler = GradScaler()
+    w = nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([w], lr=0.1)
+    assert scaler.optimizer_stage(opt) is grad_scaler_module.OptState.READY
+    scaler.scale(w.sum()).backward()
+    scaler.unscale_(opt)
+    record = scaler._per_optimizer_states[id(opt)]
+    assert isinstance(record, grad_scaler_module.OptimizerStep)
+    assert record.stage is record["stage"] is grad_scaler_module.OptState.UNSCALED
+    assert scaler.optimizer_stage(opt) is grad_scaler_module.OptState.UNSCALED
+    assert record["found_inf_per_device"] is record.found_inf_per_device
+    assert record.found_inf(torch.device("cpu")).item() == 0.0
+    with pytest.raises(KeyError):
+        record["agreed"]  # mpx's own field is an attribute only
+    scaler.step(opt)
+    assert scaler.optimizer_stage(opt) is grad_scaler_module.OptState.STEPPED
+    scaler.update()
+    assert scaler.optimizer_stage(opt) is grad_scaler_module.OptState.READY
+
+
+@pytest.mark.parametrize("protocol", ["plain", "fused", "grad_scaler_kwarg"])
+def test_each_step_protocol_is_its_own_function(protocol, monkeypatch):
+    """step() picks one of the three protocol functions by the optimizer's markers, as torch's step does."""
+    from mpx_torch import _optimizer_step
+
+    called = []
+    for name in ("step_plain", "step_fused", "step_grad_scaler_kwarg"):
+        real = getattr(_optimizer_step, name)
+        monkeypatch.setattr(grad_scaler_module, name, lambda *a, _n=name, _r=real: called.append(_n) or _r(*a))
+    w = nn.Parameter(torch.ones(2))
+    opt = {
+        "plain": lambda: torch.optim.SGD([w], lr=0.1),
+        "fused": lambda: torch.optim.SGD([w], lr=0.1, fused=True),
+        "grad_scaler_kwarg": lambda: _GradScalerKwargOptimizer([w], lr=0.1),
+    }[protocol]()
+    scaler = GradScaler()
+    scaler.scale(w.sum()).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        scaler.step(opt)
+    scaler.update()
+    assert called == [f"step_{protocol}"]
+    assert w.tolist() == [pytest.approx(0.9)] * 2
