@@ -43,6 +43,7 @@ from mpx import (
     warn_if_slow,
     widest_dtype,
 )
+from mpx_torch import _compat
 from mpx_torch._compile import compiling as _compiling
 from mpx_torch._ops import FUNCTIONS, PROMOTE_EXCEPT_HALF_MIX, RUNNING_STATS
 
@@ -66,7 +67,7 @@ def to_torch_dtype(name: Any) -> torch.dtype:
 def _default_device_type() -> str:
     """``torch.get_default_device().type``, in a form dynamo traces (no scan of the mode stack)."""
     if _compiling():
-        context = getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None)
+        context = getattr(_compat.global_device_context(), "device_context", None)
         return "cpu" if context is None else torch.device(context.device).type
     try:
         return torch.get_default_device().type
