@@ -30,6 +30,7 @@ under ``mixed_float16`` does not wrap it a second time.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -143,26 +144,26 @@ class _Int32:
         return self._logic(other, tf.bitwise.bitwise_or, tf.logical_or)
 
     def __add__(self, other: Any) -> _Int32:
-        return self._binary(other, tf.add)
+        return self._binary(other, operator.add)
 
     __radd__ = __add__
 
     def __sub__(self, other: Any) -> _Int32:
-        return self._binary(other, tf.subtract)
+        return self._binary(other, operator.sub)
 
     def __mul__(self, other: Any) -> _Int32:
-        return self._binary(other, tf.multiply)
+        return self._binary(other, operator.mul)
 
     __rmul__ = __mul__
 
     def __lt__(self, other: Any) -> _Int32:
-        return self._binary(other, tf.less)
+        return self._binary(other, operator.lt)
 
     def __gt__(self, other: Any) -> _Int32:
-        return self._binary(other, tf.greater)
+        return self._binary(other, operator.gt)
 
     def __eq__(self, other: Any) -> _Int32:  # type: ignore[override]
-        return self._binary(other, tf.equal)
+        return self._binary(other, operator.eq)
 
     __hash__ = None  # type: ignore[assignment]
 
