@@ -55,7 +55,7 @@ def _train(make_model: Callable[[int], keras.Model], data: Sequence[np.ndarray],
     with mpx_tf.policy_scope(p):
         model = make_model(seed)
     model = mpx_tf.apply_policy(model, p)
-    opt = mpx_tf.LossScaleOptimizer(keras.optimizers.Adam(settings.lr), mpx.ScalerConfig.for_policy(p))
+    opt = mpx_tf.LossScaleOptimizer(keras.optimizers.Adam(settings.lr), p)  # the policy's scaler config
     opt.record_history()  # a ring-buffer variable, written inside the traced step
     loss_obj = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
