@@ -195,10 +195,11 @@ class MPXPrecision(_MPXPlugin, Precision):
 
         Lightning loads this plugin's own entry (``"MPXPrecision"``) after
         this hook; a checkpoint without it but with ``MixedPrecision``'s
-        entry loads that one (see :meth:`mpx_torch.GradScaler.load_state_dict`).
+        entry loads that one (see :meth:`mpx_torch.GradScaler.load_state_dict`),
+        unless this plugin's scaler is of kind ``none`` (a bfloat16 policy).
         """
-        if type(self).__qualname__ in checkpoint:
-            return
+        if type(self).__qualname__ in checkpoint or self.scaler.config.kind == "none":
+            return  # a policy without loss scaling ignores a float16 scale, as Lightning's bf16-mixed does
         for key in _NATIVE_CHECKPOINT_KEYS:
             if checkpoint.get(key):
                 self.load_state_dict(checkpoint[key])

@@ -200,7 +200,9 @@ def test_the_docs_example_runs(tmp_path):
 
 
 def test_importing_mpx_torch_imports_no_training_library():
-    code = "import sys, mpx_torch; print(sorted({'accelerate', 'lightning', 'transformers'} & set(sys.modules)))"
+    code = (
+        "import sys, mpx_torch; print(sorted({'accelerate', 'lightning', 'transformers'} & set(sys.modules)))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"

@@ -188,6 +188,24 @@ def test_a_native_mixed_precision_checkpoint_loads_its_scale(tmp_path):
     assert plugin.scaler.config.min_scale is None  # torch's semantics come with torch's dict
 
 
+def test_bfloat16_fit_without_scaling_and_a_native_checkpoint(tmp_path):
+    native = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**5))
+    trainer = _trainer(native, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's float16 autocast on CPU warns about speed, nothing else
+        trainer.fit(Model(), _batches(1))
+    trainer.save_checkpoint(tmp_path / "native.ckpt")
+
+    model, plugin = Model(), MPXPrecision("mixed_bfloat16")
+    trainer = _trainer(plugin, 3, accumulate_grad_batches=2)
+    trainer.fit(model, _batches(6), ckpt_path=tmp_path / "native.ckpt")
+    assert set(model.linear_dtypes) == {torch.bfloat16}
+    assert model.net[0].weight.dtype == torch.float32
+    assert trainer.global_step == 3
+    assert not plugin.scaler.is_enabled() and plugin.scaler.config.kind == "none"  # the float16 scale ignored
+    assert trainer.precision == "bf16-mixed"
+
+
 class Manual(Model):
     def __init__(self):
         super().__init__()
