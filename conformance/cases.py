@@ -13,7 +13,17 @@ from typing import Any
 import mpx
 
 Case = dict[str, Any]
-GROUPS = ("policy", "ops", "scaler", "skip", "numerics", "portability", "distributed", "accumulation")
+GROUPS = (
+    "policy",
+    "ops",
+    "scaler",
+    "skip",
+    "numerics",
+    "portability",
+    "distributed",
+    "accumulation",
+    "models",
+)
 
 POLICY_SPECS = (
     *mpx.PRESETS,
@@ -253,7 +263,7 @@ def portability_cases() -> list[Case]:
 
 def all_cases() -> list[Case]:
     return (policy_cases() + op_cases() + scaler_cases() + stuck_cases() + skip_cases() + numeric_cases()
-            + portability_cases() + distributed_cases() + accumulation_cases())  # fmt: skip
+            + portability_cases() + distributed_cases() + accumulation_cases() + model_cases())  # fmt: skip
 
 
 def saved_prefix_state() -> dict:
@@ -361,3 +371,49 @@ def accumulation_cases() -> list[Case]:
         )
         for id_, k, flags, words in ACCUMULATION_SEQUENCES
     ]  # fmt: skip
+
+
+# -- real models (issue 23) ------------------------------------------------------------------------------
+#: The models group's words per model: what each is, as the report names it.
+MODEL_NAMES = {
+    "gpt2": "HF GPT-2 (GPT2LMHeadModel)",
+    "llama": "HF Llama (LlamaForCausalLM)",
+    "bert": "HF BERT (BertForMaskedLM)",
+    "t5": "HF T5 (T5ForConditionalGeneration)",
+    "vit": "HF ViT (ViTForImageClassification)",
+}
+
+
+def model_cases() -> list[Case]:
+    """Per model of :data:`conformance.models.MODELS` (tiny configs, random weights), one case per aspect."""
+    from conformance import models as M
+
+    config = mpx.ScalerConfig(**M.OVERFLOW_CONFIG)
+    flags = list(M.OVERFLOW_FLAGS)
+    bad = [i for i, f in enumerate(flags) if not f]
+    aspects = {
+        "ops": ({"violations": []},
+                f"no op the table keeps in float32 (softmax, norms, losses, pow, exp, sum...) computes in half "
+                f"precision under {M.POLICY}; the dtype every op computed in is listed"),
+        "compile": ({"fullgraph": True, "graphs": 1, "breaks": 0},
+                    "torch.compile(fullgraph=True) of the forward: one graph, no break, as compiled"),
+        "overflow": ({"scales": _trace(config, flags), "skipped": bad, "unchanged_on_skip": True,
+                      "losses_finite": True},
+                     f"{len(flags)} AdamW steps under {M.OVERFLOW_POLICY} with an inf in the loss at step "
+                     f"{bad[0]}: that step is skipped (parameters and optimizer state bit-identical), the scale "
+                     "follows the core's trace"),
+        "logits": ({"within_tolerance": True},
+                   f"max |logits - float32 logits| under {M.POLICY} within {M.LOGITS_TOL:g} of max |logits|"),
+        "activations": ({"within_ratio": True},
+                        f"the bytes autograd saves for backward (saved-tensor hooks) at most "
+                        f"{M.ACTIVATION_RATIO:g} x native autocast's"),
+    }  # fmt: skip
+    out = []
+    for model in M.MODELS:
+        for aspect in M.ASPECTS:
+            expected, words = aspects[aspect]
+            out.append(
+                _case("models", f"{model}.{aspect}", "models", {"model": model, "aspect": aspect}, expected,
+                      f"{MODEL_NAMES[model]} from a tiny config: {words}")
+            )  # fmt: skip
+    return out

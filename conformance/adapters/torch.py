@@ -321,3 +321,10 @@ def run_accumulation(p: dict, mode: str) -> dict:
             scales.append(float(scaler.get_scale()))
             start = w.detach().clone()
     return {"applied": applied, "scales": scales, "micro_scales": micro, "param": float(w.detach()[0])}
+
+
+def run_models(p: dict, mode: str) -> dict:
+    """HF Transformers models from tiny configs, torch.autocast against prepare (conformance.models.torch)."""
+    from conformance.models import torch as models
+
+    return models.observe(p, mode)
