@@ -174,6 +174,10 @@ class LossScale:
         option off nothing is added.
         """
         self = plain_loss_scale(self)  # the values of NNX variables (nnx.Optimizer's OptArray)
+        if not isinstance(finite, (bool, int, np.bool_, np.integer, np.ndarray, jax.Array)):
+            raise mpx.UnsupportedTypeError(
+                f"finite: expected a boolean scalar (a bool or a jax/numpy array), got {type(finite).__name__}."
+            )
         finite = jnp.asarray(finite)
         if finite.shape != ():
             raise mpx.MPXError(f"finite: expected a scalar boolean, got an array of shape {finite.shape}.")

@@ -112,5 +112,7 @@ def test_the_skip_under_a_jax_without_its_call_primitive_names_it(monkeypatch):
 
     assert _compat._inline_call_primitives() == {"jit", "closed_call"}
     monkeypatch.delattr(primitives, "jit_p")
-    with pytest.raises(mpx.FrameworkVersionError, match="jax.extend.core.primitives.jit_p.*with_loss_scaling"):
+    with pytest.raises(
+        mpx.FrameworkVersionError, match="jax.extend.core.primitives.jit_p.*with_loss_scaling"
+    ):
         _compat._inline_call_primitives()

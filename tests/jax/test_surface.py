@@ -131,7 +131,12 @@ def test_load_state_dict_returns_the_loaded_value_and_keeps_self():
 
 
 def test_with_loss_scaling_takes_every_config_form():
-    for form in (None, "mixed_float16", {"kind": "static", "init_scale": 8.0}, mpx.ScalerConfig(hysteresis=2)):
+    for form in (
+        None,
+        "mixed_float16",
+        {"kind": "static", "init_scale": 8.0},
+        mpx.ScalerConfig(hysteresis=2),
+    ):
         state = mpx_jax.with_loss_scaling(optax.sgd(0.1), form).init(_PARAMS)
         assert mpx_jax.get_loss_scale(state).config == mpx.as_scaler_config(form)
     with pytest.raises(mpx.PolicyError, match="mixed_float17"):
@@ -150,17 +155,23 @@ def test_wrong_types_raise_unsupported_type_error():
         mpx_jax.set_loss_scale(tx.init(_PARAMS), 4.0)
     with pytest.raises(mpx.UnsupportedTypeError, match="holds no LossScale"):
         mpx_jax.HistoryRecorder().record({"not": jnp.ones(2)})
+    with pytest.raises(mpx.UnsupportedTypeError, match="finite: expected a boolean scalar"):
+        mpx_jax.LossScale.create().update("yes")
 
 
 def test_set_loss_scale_refuses_another_config_and_changes_nothing():
     tx = mpx_jax.with_loss_scaling(optax.sgd(0.1), mpx.ScalerConfig(growth_interval=2))
     state = tx.init(_PARAMS)
     other = mpx_jax.LossScale.create(mpx.ScalerConfig(growth_interval=2000, init_scale=8.0))
-    with pytest.raises(mpx.ScalerConfigError, match=r"\(init_scale 65536.0 vs 8.0, growth_interval 2 vs 2000\)"):
+    with pytest.raises(
+        mpx.ScalerConfigError, match=r"\(init_scale 65536.0 vs 8.0, growth_interval 2 vs 2000\)"
+    ):
         mpx_jax.set_loss_scale(state, other)
     assert mpx_jax.get_loss_scale(state).state == mpx.scaler_init(mpx.ScalerConfig(growth_interval=2))
     bad = mpx_jax.get_loss_scale(state)
-    bad = type(bad)(jnp.float16(2.0), *(getattr(bad, n) for n in mpx_jax.loss_scale.STATE_FIELDS[1:]), bad.config)
+    bad = type(bad)(
+        jnp.float16(2.0), *(getattr(bad, n) for n in mpx_jax.loss_scale.STATE_FIELDS[1:]), bad.config
+    )
     with pytest.raises(mpx.UnsupportedTypeError, match="loss_scale.loss_scale: expected a float32 scalar"):
         mpx_jax.set_loss_scale(state, bad)
 
@@ -197,7 +208,9 @@ def test_nnx_optimizer_under_nnx_jit_reads_and_writes_the_optarray_state():
     recorder.record(opt.opt_state)
     assert recorder.history().scale == [2.0, 4.0]
     # the way back, in place: the variables take the loaded values and the jitted step goes on from them
-    loaded = mpx_jax.get_loss_scale(opt).load_state_dict({**mpx_jax.get_loss_scale(opt).state_dict(), "scale": 64.0})
+    loaded = mpx_jax.get_loss_scale(opt).load_state_dict(
+        {**mpx_jax.get_loss_scale(opt).state_dict(), "scale": 64.0}
+    )
     assert mpx_jax.set_loss_scale(opt, loaded) is opt
     assert mpx_jax.get_loss_scale(opt).state == loaded.state
     assert "LossScale(kind='dynamic', scale=64.0" in repr(opt.opt_state) and repr(opt)
