@@ -30,6 +30,8 @@ from mpx.errors import (
     UnsupportedTypeError,
 )
 from mpx.float8 import (
+    FP8_OPS,
+    Float8Error,
     Float8Recipe,
     Float8State,
     float8_init,
@@ -39,7 +41,16 @@ from mpx.float8 import (
 )
 from mpx.history import HISTORY_FORMAT, HistoryError, ScalerHistory
 from mpx.ops import OP_CATEGORIES, OP_TABLE, OpClass, OpTable, classify, result_dtype
-from mpx.policy import CATEGORIES, PRESET_ALIASES, PRESETS, Override, Policy, PolicySpec, get_policy
+from mpx.policy import (
+    CATEGORIES,
+    FP8_PRESETS,
+    PRESET_ALIASES,
+    PRESETS,
+    Override,
+    Policy,
+    PolicySpec,
+    get_policy,
+)
 from mpx.scaling import (
     COUNTER_MAX,
     SCALE_FLOOR,
@@ -73,6 +84,9 @@ __all__ = [
     "DTypeError",
     "FrameworkVersionError",
     "DTypeInfo",
+    "FP8_OPS",
+    "FP8_PRESETS",
+    "Float8Error",
     "Float8Recipe",
     "Float8State",
     "LossScaler",

@@ -21,7 +21,7 @@ from typing import NoReturn
 from mpx._version import __version__
 from mpx.errors import MPXError
 from mpx.ops import OP_TABLE
-from mpx.policy import CATEGORIES, PRESET_ALIASES, PRESETS, Policy, get_policy
+from mpx.policy import CATEGORIES, FP8_PRESETS, PRESET_ALIASES, PRESETS, Policy, get_policy
 from mpx.scaling import ScalerConfig
 
 __all__ = ["main"]
@@ -47,6 +47,8 @@ def _describe(policy: Policy) -> dict:
         "reduce_dtype": policy.reduce_dtype,
         "keep_fp32": list(policy.keep_fp32),
         "rules": [{"selector": rule.selector, "policy": str(rule.policy)} for rule in policy.rules()],
+        "fp8": None if policy.fp8 is None else policy.fp8.to_dict(),
+        "fp8_ops": [op for op in OP_TABLE if policy.fp8_applies(op)],
         "loss_scaling": scaler.kind,
         "ops": {
             op: {
@@ -73,6 +75,7 @@ def _show(args: argparse.Namespace) -> int:
     print(f"output   {policy.output_dtype}")
     print(f"reduce   {policy.reduce_dtype}  (gradient all-reduce across replicas)")
     print(f"keep_fp32 {'+'.join(policy.keep_fp32) or 'none'}")
+    print(f"fp8      {_recipe_text(policy)}")
     print(f"loss scaling (default) {info['loss_scaling']}")
     print("rules (last match wins):" if info["rules"] else "rules: none")
     for rule in info["rules"]:
@@ -80,14 +83,34 @@ def _show(args: argparse.Namespace) -> int:
     print(f"ops (result dtype for {policy.param_dtype} inputs):")
     width = max(map(len, OP_TABLE))
     for op, row in info["ops"].items():
-        print(f"  {op:<{width}}  {row['class']:<11}  {row['result_dtype']}")
+        fp8 = "  (FP8 GEMM)" if op in info["fp8_ops"] else ""
+        print(f"  {op:<{width}}  {row['class']:<11}  {row['result_dtype']}{fp8}")
     return 0
+
+
+def _recipe_text(policy: Policy) -> str:
+    """One line for a policy's FP8 recipe (``none`` without one)."""
+    r = policy.fp8
+    if r is None:
+        return "none"
+    formats = "e4m3 inputs and weights, e5m2 gradients" if r.format == "hybrid" else "e4m3 everywhere"
+    if r.scaling == "delayed":
+        scaling = f"delayed scaling (history {r.amax_history_len}, amax {r.amax_compute})"
+    else:
+        scaling = "current scaling (each tensor's own amax)"
+    return (
+        f"{r.format} ({formats}); {scaling}, margin {r.margin}, "
+        f"power-of-two scales {'on' if r.power_of_two else 'off'}; ops: "
+        + ", ".join(op for op in OP_TABLE if policy.fp8_applies(op))
+    )
 
 
 def _list(args: argparse.Namespace) -> int:
     for name, policy in PRESETS.items():
         aliases = ", ".join(a for a, target in PRESET_ALIASES.items() if target == name)
         print(f"{name:<15} {policy!s:<48} aliases: {aliases}")
+    for name, policy in FP8_PRESETS.items():
+        print(f"{name:<15} {policy!s}")
     print(f"categories for keep_fp32 and category: selectors: {', '.join(CATEGORIES)}")
     return 0
 

@@ -77,6 +77,7 @@ __all__ = [
     "CURRENT_AMAX_FLOOR",
     "FLOAT8_FORMAT",
     "FORMATS",
+    "FP8_OPS",
     "ROLES",
     "Float8Error",
     "Float8Recipe",
@@ -103,6 +104,9 @@ FORMATS: dict[str, np.dtype] = {
 }
 #: What a quantized tensor is to its GEMM: forward operands (input, weight) and the backward's gradient.
 ROLES = ("input", "weight", "grad")
+#: The ops a policy's ``fp8`` recipe turns into FP8 GEMMs when the op table classifies them LOWER
+#: (:meth:`mpx.Policy.fp8_applies`); every other op follows the policy's compute dtype.
+FP8_OPS = ("linear", "matmul", "einsum")
 #: The amax floor of ``current`` scaling (torchao's ``EPS``).
 CURRENT_AMAX_FLOOR = 1e-12
 _F32_MAX = float(np.finfo(np.float32).max)
@@ -232,7 +236,8 @@ def compute_scale(recipe: Float8Recipe, amax: float, fmt: str, previous: float =
         amax = max(amax, CURRENT_AMAX_FLOOR)
     elif not math.isfinite(amax) or amax <= 0.0:
         return float(np.float32(previous))
-    value = fp8_max(fmt) / amax / 2.0**recipe.margin  # float64, then one rounding to float32
+    # float64, then one rounding to float32; ldexp divides by 2**margin exactly (no overflow for any margin)
+    value = math.ldexp(fp8_max(fmt) / amax, -recipe.margin)
     scale = _F32_MAX if value >= _F32_MAX else float(np.float32(value))
     if scale == 0.0:  # an amax so large the scale underflows float32: the smallest normal keeps it invertible
         scale = float(np.finfo(np.float32).tiny)

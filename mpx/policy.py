@@ -13,6 +13,18 @@ the key grammar, a ``Policy.to_dict()`` dict or a ``Policy``:
 True
 >>> p.for_module("encoder.0.norm", category="normalization").compute_dtype
 'float32'
+
+FP8 (:mod:`mpx.float8`) is one more key: ``fp8=hybrid`` (or ``e4m3``) turns the
+LOWER GEMMs (:data:`mpx.float8.FP8_OPS`: linear, matmul, einsum) into FP8 GEMMs
+with a :class:`mpx.Float8Recipe`; every other op follows the compute dtype.
+An override whose spec names no dtype starts from its parent, so
+``@head={fp8=none}`` is "the parent policy without FP8":
+
+>>> p = get_policy("mixed_bfloat16,fp8=hybrid,fp8_history=16,@head={fp8=none}")
+>>> p.fp8.format, p.fp8.amax_history_len, p.for_module("head").fp8, p.for_module("head").compute_dtype
+('hybrid', 16, None, 'bfloat16')
+>>> str(p)
+'params=float32,compute=bfloat16,output=float32,fp8=hybrid,fp8_history=16,@head={params=float32,compute=bfloat16,output=float32}'
 """
 
 from __future__ import annotations
@@ -26,9 +38,12 @@ from typing import Any
 
 from mpx.dtypes import FLOATING_DTYPES, HALF_DTYPES, canonical_dtype
 from mpx.errors import DTypeError, PolicyError
+from mpx.float8 import FP8_OPS, Float8Error, Float8Recipe
 
 __all__ = [
     "CATEGORIES",
+    "FP8_KEYS",
+    "FP8_PRESETS",
     "PRESETS",
     "PRESET_ALIASES",
     "Override",
@@ -61,6 +76,35 @@ PRESET_ALIASES: dict[str, str] = {
     "bf16": "mixed_bfloat16",
 }
 
+#: The FP8 presets: a dtype preset plus a :class:`mpx.Float8Recipe` (listed apart from :data:`PRESETS`,
+#: the five dtype presets every backend's conformance runs).  ``mixed_bfloat16_fp8`` is Transformer
+#: Engine's default recipe (hybrid, delayed scaling, history 1024, max, margin 0);
+#: ``mixed_bfloat16_fp8_current`` is torchao's (hybrid, current scaling: each tensor's own amax).
+_FP8_PRESET_RECIPES: dict[str, tuple[str, Float8Recipe]] = {
+    "mixed_bfloat16_fp8": ("mixed_bfloat16", Float8Recipe()),
+    "mixed_bfloat16_fp8_current": ("mixed_bfloat16", Float8Recipe(scaling="current")),
+}
+
+#: The FP8 keys of the spec grammar and the :class:`mpx.Float8Recipe` field each one sets
+#: (``fp8`` itself sets ``format``, or ``none`` for no FP8).
+FP8_KEYS: dict[str, str] = {
+    "fp8": "format",
+    "fp8_scaling": "scaling",
+    "fp8_history": "amax_history_len",
+    "fp8_amax": "amax_compute",
+    "fp8_margin": "margin",
+    "fp8_pow2": "power_of_two",
+}
+_FP8_ALLOWED = {
+    "fp8": "hybrid, e4m3 or none",
+    "fp8_scaling": "delayed or current",
+    "fp8_history": "an int in [1, 2**31 - 1] (amaxes remembered by delayed scaling)",
+    "fp8_amax": "max or most_recent",
+    "fp8_margin": "an int in [0, 2**31 - 1] (the scale is divided by 2**margin)",
+    "fp8_pow2": "true or false",
+}
+_FP8_DEFAULT = Float8Recipe()
+
 _KEYS: dict[str, str] = {
     "p": "params",
     "params": "params",
@@ -71,9 +115,13 @@ _KEYS: dict[str, str] = {
     "r": "reduce",
     "reduce": "reduce",
     "keep_fp32": "keep_fp32",
+    **{key: key for key in FP8_KEYS},
 }
 _SELECTOR = re.compile(r"^[A-Za-z0-9_.*?\[\]!/\-]+$")
-_GRAMMAR = "params=DTYPE,compute=DTYPE,output=DTYPE[,reduce=DTYPE][,keep_fp32=CATS][,@SELECTOR={SPEC}]"
+_GRAMMAR = (
+    "params=DTYPE,compute=DTYPE,output=DTYPE[,reduce=DTYPE][,keep_fp32=CATS][,fp8=hybrid|e4m3|none]"
+    "[,fp8_scaling=..,fp8_history=..,fp8_amax=..,fp8_margin=..,fp8_pow2=..][,@SELECTOR={SPEC}]"
+)
 
 
 def _default_keep_fp32(compute_dtype: str) -> tuple[str, ...]:
@@ -181,6 +229,11 @@ class Policy:
         reduce_dtype: keyword only; the dtype gradients are all-reduced in across
             replicas (DDP's comm hook, FSDP2's ``reduce_dtype``); ``None`` (the
             default) means the param dtype.
+        fp8: keyword only; the :class:`mpx.Float8Recipe` of the FP8 GEMMs (the
+            LOWER ops of :data:`mpx.float8.FP8_OPS`), or ``None`` (the default)
+            for none.  Allowed with a float32, bfloat16 or float16 compute dtype
+            (an FP8 GEMM returns the compute dtype); not with float64.  The
+            float32 rules of ``keep_fp32`` (norms, softmax, losses) never use FP8.
 
     Dtypes accept every alias (``"bf16"``, ``"half"``, numpy dtypes...) and are
     stored under their canonical names.
@@ -192,6 +245,7 @@ class Policy:
     keep_fp32: tuple[str, ...] | None = None
     overrides: tuple[Override, ...] = ()
     reduce_dtype: str | None = dataclasses.field(default=None, kw_only=True)
+    fp8: Float8Recipe | None = dataclasses.field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -207,19 +261,49 @@ class Policy:
         if isinstance(self.overrides, (str, Mapping)):
             raise PolicyError("overrides: expected a sequence of Override rules or (selector, spec) pairs")
         set_(self, "overrides", tuple(_as_override(rule) for rule in self.overrides))
+        if self.fp8 is not None:
+            if not isinstance(self.fp8, Float8Recipe):
+                raise PolicyError(
+                    f"fp8: expected an mpx.Float8Recipe or None, got {type(self.fp8).__name__}; "
+                    "in a spec write fp8=hybrid, fp8=e4m3 or fp8=none"
+                )
+            if self.compute_dtype == "float64":
+                raise PolicyError(
+                    "fp8: FP8 GEMMs need a compute dtype of float32, bfloat16 or float16 "
+                    "(the GEMM returns the compute dtype), got float64"
+                )
 
     # -- derived, read-only ---------------------------------------------------
     @property
     def name(self) -> str | None:
-        """The preset name of this policy (``"mixed_float16"``...), or None."""
+        """The preset name of this policy (``"mixed_float16"``, ``"mixed_bfloat16_fp8"``...), or None."""
         for name, dtypes in _PRESET_DTYPES.items():
             if (self.param_dtype, self.compute_dtype, self.output_dtype) == dtypes and (
                 self.keep_fp32 == _default_keep_fp32(self.compute_dtype)
                 and not self.overrides
                 and self.reduce_dtype == self.param_dtype
+                and self.fp8 is None
             ):
                 return name
+        for name, policy in FP8_PRESETS.items():
+            if self == policy:
+                return name
         return None
+
+    def fp8_applies(self, op: str, op_table: Any = None) -> bool:
+        """Whether ``op`` runs as an FP8 GEMM under this policy.
+
+        True when the policy has an ``fp8`` recipe, ``op`` is one of
+        :data:`mpx.float8.FP8_OPS` (linear, matmul, einsum) and ``op_table``
+        (default :data:`mpx.OP_TABLE`) classifies it LOWER.  Everything else
+        follows the compute dtype.
+        """
+        if self.fp8 is None or op not in FP8_OPS:
+            return False
+        from mpx.ops import OP_TABLE, OpClass  # mpx.ops imports this module
+
+        table = OP_TABLE if op_table is None else op_table
+        return table.classify(op, self) is OpClass.LOWER
 
     @property
     def lowers_precision(self) -> bool:
@@ -286,15 +370,16 @@ class Policy:
             "reduce_dtype": self.reduce_dtype,
             "keep_fp32": list(self.keep_fp32),
             "overrides": [{"selector": r.selector, "policy": r.policy.to_dict()} for r in self.overrides],
+            "fp8": None if self.fp8 is None else self.fp8.to_dict(),
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Policy:
-        """Read a :meth:`to_dict` dict back, validating every key."""
+        """Read a :meth:`to_dict` dict back, validating every key (``fp8`` and ``reduce_dtype`` may be missing)."""
         if not isinstance(data, Mapping):
             raise PolicyError(f"policy dict: expected a mapping, got {type(data).__name__}")
         required = ("param_dtype", "compute_dtype", "output_dtype")
-        allowed = (*required, "reduce_dtype", "keep_fp32", "overrides")
+        allowed = (*required, "reduce_dtype", "keep_fp32", "overrides", "fp8")
         for key in data:
             if key not in allowed:
                 raise PolicyError(f"policy dict: unknown key {key!r}; allowed: {', '.join(allowed)}")
@@ -319,6 +404,12 @@ class Policy:
                     f"override {rule['selector']!r}: an override's policy cannot have overrides of its own"
                 )
             rules.append(Override(_check_selector(rule["selector"]), cls.from_dict(inner)))
+        recipe = data.get("fp8")
+        if recipe is not None:
+            try:
+                recipe = Float8Recipe.from_dict(recipe)
+            except Float8Error as err:
+                raise PolicyError(f"policy dict: fp8: {err}") from None
         return cls(
             data["param_dtype"],
             data["compute_dtype"],
@@ -326,6 +417,7 @@ class Policy:
             keep_fp32=data.get("keep_fp32"),
             overrides=tuple(rules),
             reduce_dtype=data.get("reduce_dtype"),
+            fp8=recipe,
         )
 
     def __str__(self) -> str:
@@ -334,6 +426,8 @@ class Policy:
             text += f",reduce={self.reduce_dtype}"
         if self.keep_fp32 != _default_keep_fp32(self.compute_dtype):
             text += ",keep_fp32=" + ("+".join(self.keep_fp32) or "none")
+        if self.fp8 is not None:
+            text += _fp8_text(self.fp8)
         for rule in self.overrides:
             text += f",@{rule.selector}={{{rule.policy}}}"
         return text
@@ -346,6 +440,56 @@ PolicySpec = Policy | str | Mapping[str, Any]
 
 #: The preset policies by name.
 PRESETS: dict[str, Policy] = {name: Policy(*dts) for name, dts in _PRESET_DTYPES.items()}
+#: The FP8 preset policies by name (see ``_FP8_PRESET_RECIPES``): readable wherever a preset is.
+FP8_PRESETS: dict[str, Policy] = {
+    name: dataclasses.replace(PRESETS[base], fp8=recipe)
+    for name, (base, recipe) in _FP8_PRESET_RECIPES.items()
+}
+
+
+def _fp8_text(recipe: Float8Recipe) -> str:
+    """``,fp8=FORMAT`` and every recipe key that differs from the default, in :data:`FP8_KEYS` order."""
+    text = f",fp8={recipe.format}"
+    for key, field in FP8_KEYS.items():
+        value = getattr(recipe, field)
+        if key != "fp8" and value != getattr(_FP8_DEFAULT, field):
+            text += f",{key}={str(value).lower() if isinstance(value, bool) else value}"
+    return text
+
+
+def _fp8_value(spec: str, key: str, raw: str) -> Any:
+    """The recipe field value of ``key=raw`` (a PolicyError naming the key and what is allowed)."""
+    bad = PolicyError(f"policy spec {spec!r}: {key}: {raw!r} is not allowed; allowed: {_FP8_ALLOWED[key]}")
+    if key in ("fp8_history", "fp8_margin"):
+        low = 1 if key == "fp8_history" else 0
+        if not raw.isdigit() or not raw.isascii() or not low <= int(raw) <= 2**31 - 1:
+            raise bad
+        return int(raw)
+    if key == "fp8_pow2":
+        if raw not in ("true", "false"):
+            raise bad
+        return raw == "true"
+    allowed = {"fp8": ("hybrid", "e4m3", "none"), "fp8_scaling": ("delayed", "current"),
+               "fp8_amax": ("max", "most_recent")}[key]  # fmt: skip
+    if raw not in allowed:
+        raise bad
+    return raw
+
+
+def _fp8_recipe(spec: str, values: dict[str, str], base: Float8Recipe | None) -> Float8Recipe | None:
+    """The recipe of a spec from its FP8 keys, starting from ``base`` (a preset's or the parent's)."""
+    recipe = base
+    if "fp8" in values:
+        fmt = _fp8_value(spec, "fp8", values["fp8"])
+        recipe = None if fmt == "none" else dataclasses.replace(recipe or _FP8_DEFAULT, format=fmt)
+    changes = {FP8_KEYS[k]: _fp8_value(spec, k, values[k]) for k in FP8_KEYS if k != "fp8" and k in values}
+    if recipe is None and changes:
+        key = next(k for k in FP8_KEYS if k != "fp8" and k in values)
+        raise PolicyError(
+            f"policy spec {spec!r}: {key} sets an FP8 recipe field, but this policy has no FP8; "
+            "add fp8=hybrid or fp8=e4m3 (or drop the key)"
+        )
+    return dataclasses.replace(recipe, **changes) if changes else recipe  # values checked above
 
 
 def _as_override(rule: Any) -> Override:
@@ -377,27 +521,36 @@ def _split_segments(text: str) -> list[str]:
 
 
 def _names() -> str:
-    return ", ".join([*_PRESET_DTYPES, *PRESET_ALIASES])
+    return ", ".join([*_PRESET_DTYPES, *FP8_PRESETS, *PRESET_ALIASES])
 
 
-def _parse(text: str, *, nested: bool) -> Policy:
+def _preset(name: str) -> Policy | None:
+    if name in _PRESET_DTYPES:
+        return PRESETS[name]
+    if name in FP8_PRESETS:
+        return FP8_PRESETS[name]
+    if name in PRESET_ALIASES:
+        return PRESETS[PRESET_ALIASES[name]]
+    return None
+
+
+def _parse(text: str, *, nested: bool, parent: Policy | None = None) -> Policy:
+    """Parse a spec; ``parent``: the policy an override's spec (``nested``) starts from when it names no
+    dtype (``@head={fp8=none}`` is the parent without FP8)."""
     spec = text.strip()
     if not spec:
         raise PolicyError(f"policy spec is empty; allowed: a preset ({_names()}) or the key form {_GRAMMAR}")
-    if spec in _PRESET_DTYPES:
-        return PRESETS[spec]
-    if spec in PRESET_ALIASES:
-        return PRESETS[PRESET_ALIASES[spec]]
+    preset = _preset(spec)
+    if preset is not None:
+        return preset
     if "=" not in spec:
         raise PolicyError(f"unknown policy name {spec!r}; allowed: {_names()}, or the key form {_GRAMMAR}")
     values: dict[str, str] = {}
     spelled: dict[str, str] = {}
-    rules: list[Override] = []
+    bodies: list[tuple[str, str]] = []
     segments = _split_segments(spec)
-    base: Policy | None = None
-    head = segments[0].strip()
-    if head in _PRESET_DTYPES or head in PRESET_ALIASES:  # "mixed_bfloat16,reduce=bf16": a preset, then keys
-        base = PRESETS[PRESET_ALIASES.get(head, head)]
+    base = _preset(segments[0].strip())  # "mixed_bfloat16,reduce=bf16": a preset, then keys
+    if base is not None:
         segments = segments[1:]
     for index, raw in enumerate(segments, start=0 if base is None else 1):
         segment = raw.strip()
@@ -415,7 +568,7 @@ def _parse(text: str, *, nested: bool) -> Policy:
             selector, body = selector.strip(), body.strip()
             if not sep or not (body.startswith("{") and body.endswith("}")):
                 raise PolicyError(f"policy spec {spec!r}: override {segment!r} must read @SELECTOR={{SPEC}}")
-            rules.append(Override(_check_selector(selector), _parse(body[1:-1], nested=True)))
+            bodies.append((_check_selector(selector), body[1:-1]))
             continue
         key, sep, value = segment.partition("=")
         key, value = key.strip(), value.strip()
@@ -442,20 +595,27 @@ def _parse(text: str, *, nested: bool) -> Policy:
         values[canon] = value
         spelled[canon] = key
     if base is None and not {"params", "compute", "output", "reduce"} & values.keys():
-        raise PolicyError(
-            f"policy spec {spec!r}: names no dtype; give at least one of params, compute, output, reduce"
-        )
+        if parent is None:
+            raise PolicyError(
+                f"policy spec {spec!r}: names no dtype; give at least one of params, compute, output, reduce"
+                + (" (only an override's spec starts from its parent)" if values.keys() & FP8_KEYS else "")
+            )
+        base = dataclasses.replace(parent, overrides=())  # an override naming no dtype: the parent, then keys
+    keep: tuple[str, ...] | None = None
     if base is not None:
         values = {
             "params": base.param_dtype,
             "compute": base.compute_dtype,
             "output": base.output_dtype,
         } | values
+        if "reduce" not in values and base.reduce_dtype != base.param_dtype:
+            values["reduce"] = base.reduce_dtype
+        if base.keep_fp32 != _default_keep_fp32(base.compute_dtype):
+            keep = base.keep_fp32
     params = _dtype(values.get("params", "float32"), "params")
     compute = _dtype(values.get("compute", params), "compute")
     output = _dtype(values.get("output", compute), "output")
     reduce = _dtype(values["reduce"], "reduce") if "reduce" in values else None
-    keep: tuple[str, ...] | None = None
     if "keep_fp32" in values:
         raw_keep = values["keep_fp32"]
         if raw_keep == "none":
@@ -468,21 +628,37 @@ def _parse(text: str, *, nested: bool) -> Policy:
                     f"({'+'.join(CATEGORIES)}) or 'none'"
                 )
             keep = _categories([part.strip() for part in parts])
-    return Policy(params, compute, output, keep_fp32=keep, overrides=tuple(rules), reduce_dtype=reduce)
+    recipe = _fp8_recipe(spec, values, None if base is None else base.fp8)
+    policy = Policy(params, compute, output, keep_fp32=keep, reduce_dtype=reduce, fp8=recipe)
+    if not bodies:
+        return policy
+    rules = tuple(Override(sel, _parse(body, nested=True, parent=policy)) for sel, body in bodies)
+    return dataclasses.replace(policy, overrides=rules)
 
 
 def get_policy(spec: PolicySpec) -> Policy:
     """Read a policy from a :class:`Policy`, a ``to_dict()`` dict or a string.
 
     Strings are a preset (``float32``, ``mixed_float16``, ``mixed_bfloat16``,
-    ``float16``, ``bfloat16``), an ecosystem name (``32-true``, ``16-mixed``,
+    ``float16``, ``bfloat16``; the FP8 presets ``mixed_bfloat16_fp8`` and
+    ``mixed_bfloat16_fp8_current``), an ecosystem name (``32-true``, ``16-mixed``,
     ``bf16-mixed``, ``16-true``, ``bf16-true``, ``no``, ``fp16``, ``bf16``) or
     the key form ``params=...,compute=...,output=...`` (keys ``p c o r`` or
-    ``params compute output reduce``, plus ``keep_fp32`` and ``@SELECTOR={SPEC}``
-    override rules), optionally after a preset (``mixed_bfloat16,reduce=bf16``:
+    ``params compute output reduce``, plus ``keep_fp32``, the FP8 keys and
+    ``@SELECTOR={SPEC}`` override rules), optionally after a preset (``mixed_bfloat16,reduce=bf16``:
     the preset's dtypes, then the keys).  A missing params defaults to float32,
     a missing compute to params, a missing output to compute, a missing reduce
     (the dtype of the gradient all-reduce across replicas) to params.
+
+    FP8 keys (:data:`FP8_KEYS`; written by ``str()`` only when set, recipe keys
+    only when they differ from :class:`mpx.Float8Recipe`'s defaults):
+    ``fp8=hybrid|e4m3|none`` (the recipe's format, or no FP8),
+    ``fp8_scaling=delayed|current``, ``fp8_history=N`` (amax history length,
+    >= 1), ``fp8_amax=max|most_recent``, ``fp8_margin=N`` (>= 0),
+    ``fp8_pow2=true|false`` (power-of-two scales).  A recipe key needs FP8 on
+    (from ``fp8=`` or an FP8 preset).  An override's spec that names no dtype
+    (no preset and none of params, compute, output, reduce) starts from its
+    parent policy and changes only the keys it names: ``@head={fp8=none}``.
 
     Raises:
         PolicyError: naming the bad token and what is allowed.

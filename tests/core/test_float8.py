@@ -224,3 +224,12 @@ def test_state_dict_refuses_bad_fields(mutate, match):
     mutate(d)
     with pytest.raises(mpx.StateDictError, match=match):
         load_float8_state_dict(d)
+
+
+@pytest.mark.parametrize("margin", [0, 1, 30, 1023, 1024, 5000, 2**31 - 1])
+def test_margin_divides_exactly_and_never_overflows(margin):
+    r = Float8Recipe(margin=margin)
+    got = compute_scale(r, 3.0, "e4m3")
+    exact = (448.0 / 3.0) / 2.0**margin if margin < 1024 else 0.0  # 2.0**1024 overflows a Python float
+    expected = float(np.float32(exact)) or float(np.finfo(np.float32).tiny)  # an underflow: the smallest normal
+    assert got == expected

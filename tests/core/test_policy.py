@@ -387,3 +387,263 @@ def test_bad_reduce(call, message):
 def test_reduce_is_keyword_only():
     with pytest.raises(TypeError):
         Policy("float32", "float16", "float32", None, (), "float16")  # type: ignore[misc]
+
+
+# -- issue #26: FP8 ------------------------------------------------------------------------
+
+from mpx.float8 import Float8Recipe  # noqa: E402
+
+HYBRID = Float8Recipe()
+
+
+@pytest.mark.parametrize(
+    "spec,recipe",
+    [
+        ("mixed_bfloat16,fp8=hybrid", HYBRID),
+        ("mixed_bfloat16, fp8 = e4m3", Float8Recipe(format="e4m3")),
+        ("mixed_bfloat16,fp8=none", None),
+        ("mixed_bfloat16_fp8", HYBRID),
+        ("mixed_bfloat16_fp8_current", Float8Recipe(scaling="current")),
+        ("mixed_bfloat16_fp8,fp8=none", None),
+        ("mixed_bfloat16_fp8,fp8=e4m3", Float8Recipe(format="e4m3")),
+        ("mixed_bfloat16_fp8_current,fp8=e4m3", Float8Recipe(format="e4m3", scaling="current")),
+        (
+            "p=f32,c=bf16,o=f32,fp8=hybrid,fp8_scaling=delayed,fp8_history=16,fp8_amax=most_recent,"
+            "fp8_margin=2,fp8_pow2=true",
+            Float8Recipe(amax_history_len=16, amax_compute="most_recent", margin=2, power_of_two=True),
+        ),
+        ("fp8_margin=1,fp8=hybrid,c=bf16", Float8Recipe(margin=1)),  # any key order
+    ],
+)
+def test_fp8_key_sets_the_recipe(spec, recipe):
+    p = get_policy(spec)
+    assert p.fp8 == recipe
+    assert (p.param_dtype, p.compute_dtype) == ("float32", "bfloat16")
+    assert get_policy(str(p)) == p and str(get_policy(str(p))) == str(p)
+    assert Policy.from_dict(json.loads(json.dumps(p.to_dict()))) == p
+    assert ("fp8" in str(p)) == (recipe is not None)  # written only when set
+
+
+def test_fp8_str_writes_only_non_default_recipe_keys():
+    assert (
+        str(get_policy("mixed_bfloat16,fp8=hybrid"))
+        == "params=float32,compute=bfloat16,output=float32,fp8=hybrid"
+    )
+    assert str(get_policy("mixed_bfloat16,fp8=hybrid,fp8_history=1024,fp8_margin=0")).endswith(",fp8=hybrid")
+    assert str(get_policy("mixed_bfloat16,fp8=e4m3,fp8_pow2=true,fp8_scaling=current")).endswith(
+        ",fp8=e4m3,fp8_scaling=current,fp8_pow2=true"
+    )
+    assert str(get_policy("mixed_bfloat16,fp8=none")) == str(get_policy("mixed_bfloat16"))
+
+
+def test_fp8_presets_and_names():
+    assert mpx.FP8_PRESETS["mixed_bfloat16_fp8"] == dataclasses.replace(
+        get_policy("mixed_bfloat16"), fp8=HYBRID
+    )
+    for name, policy in mpx.FP8_PRESETS.items():
+        assert get_policy(name) is policy and policy.name == name
+        assert get_policy(str(policy)).name == name
+        assert name not in mpx.PRESETS  # the dtype presets stay the five every backend's conformance runs
+    assert get_policy("mixed_bfloat16,fp8=hybrid,fp8_margin=1").name is None
+    assert get_policy("mixed_bfloat16,fp8=e4m3").name is None
+    assert get_policy("mixed_bfloat16").name == "mixed_bfloat16"  # fp8 None is part of a dtype preset
+
+
+def test_fp8_is_a_keyword_only_field_and_policies_differ_by_it():
+    p = Policy("float32", "bfloat16", "float32", fp8=HYBRID)
+    assert p == get_policy("mixed_bfloat16_fp8") and hash(p) == hash(get_policy("mixed_bfloat16_fp8"))
+    assert p != get_policy("mixed_bfloat16")
+    with pytest.raises(TypeError):
+        Policy("float32", "bfloat16", "float32", None, (), "float32", HYBRID)  # type: ignore[misc]
+
+
+def test_fp8_applies_to_lower_gemms_only():
+    p = get_policy("mixed_bfloat16_fp8")
+    assert [op for op in mpx.OP_TABLE if p.fp8_applies(op)] == ["matmul", "linear", "einsum"]
+    assert mpx.FP8_OPS == ("linear", "matmul", "einsum")
+    for op in ("conv", "bmm", "attention", "softmax", "layer_norm", "add", "relu"):
+        assert not p.fp8_applies(op)
+    assert not get_policy("mixed_bfloat16").fp8_applies("linear")
+    table = mpx.OP_TABLE.replace(matmul=mpx.OpClass.FLOAT32)
+    assert not p.fp8_applies("matmul", table) and p.fp8_applies("linear", table)
+    # the float32 rules of keep_fp32 never carry FP8
+    for category in ALL3:
+        sub = p.for_module("m", category)
+        assert sub.fp8 is None and sub.compute_dtype == F32
+
+
+def test_an_override_naming_no_dtype_starts_from_its_parent():
+    p = get_policy("mixed_bfloat16,fp8=hybrid,fp8_history=16,@head={fp8=none},@embed={fp8_margin=3}")
+    head, embed, body = p.for_module("head"), p.for_module("embed"), p.for_module("blocks.0.mlp")
+    assert body is p
+    assert head == get_policy("mixed_bfloat16") and head.fp8 is None  # the parent without FP8, not float32
+    assert embed.fp8 == Float8Recipe(amax_history_len=16, margin=3)  # the parent's recipe, one key changed
+    assert (embed.param_dtype, embed.compute_dtype, embed.output_dtype) == (F32, BF16, F32)
+    assert get_policy(str(p)) == p and Policy.from_dict(json.loads(json.dumps(p.to_dict()))) == p
+    assert str(p).endswith(
+        ",@head={params=float32,compute=bfloat16,output=float32}"
+        ",@embed={params=float32,compute=bfloat16,output=float32,fp8=hybrid,fp8_history=16,fp8_margin=3}"
+    )
+    # reduce and keep_fp32 come from the parent too
+    q = get_policy(
+        "mixed_bfloat16,reduce=bf16,keep_fp32=loss,fp8=e4m3,@first={fp8=none},@last={keep_fp32=none}"
+    )
+    assert q.for_module("first") == get_policy("mixed_bfloat16,reduce=bf16,keep_fp32=loss")
+    assert q.for_module("last") == get_policy("mixed_bfloat16,reduce=bf16,keep_fp32=none,fp8=e4m3")
+    # an override that names a dtype is a whole spec, as before: no FP8 unless it says so
+    r = get_policy("mixed_bfloat16_fp8,@head={c=f32},@mlp={mixed_bfloat16,fp8=e4m3},@x={r=bf16}")
+    assert r.for_module("head") == get_policy("float32")
+    assert r.for_module("mlp").fp8 == Float8Recipe(format="e4m3")
+    assert r.for_module("x") == get_policy("p=f32,r=bf16")
+
+
+def test_fp8_only_in_an_override():
+    p = get_policy("mixed_bfloat16,@blocks.*.mlp.*={fp8=hybrid}")
+    assert p.fp8 is None and p.for_module("blocks.0.mlp.fc1").fp8 == HYBRID
+    assert get_policy(str(p)) == p
+
+
+@pytest.mark.parametrize(
+    "spec,recipe",
+    [
+        ("float32,fp8=hybrid", HYBRID),  # FP8 GEMMs in a float32 model (torchao and TE allow it)
+        ("float16,fp8=hybrid", HYBRID),  # half parameters: quantized from float16
+        ("bfloat16,fp8=e4m3", Float8Recipe(format="e4m3")),
+        ("mixed_float16,fp8=hybrid", HYBRID),
+    ],
+)
+def test_fp8_with_float32_and_pure_half_policies(spec, recipe):
+    p = get_policy(spec)
+    assert p.fp8 == recipe and p.fp8_applies("linear")
+    assert get_policy(str(p)) == p
+
+
+BAD_FP8 = {
+    "mixed_bfloat16,fp8=e5m2": "fp8: 'e5m2' is not allowed; allowed: hybrid, e4m3 or none",
+    "mixed_bfloat16,fp8=Hybrid": "fp8: 'Hybrid' is not allowed",
+    "mixed_bfloat16,fp8=hybrid,fp8_scaling=dynamic": "fp8_scaling: 'dynamic' is not allowed; allowed: delayed or current",
+    "mixed_bfloat16,fp8=hybrid,fp8_history=0": r"fp8_history: '0' is not allowed; allowed: an int in \[1, ",
+    "mixed_bfloat16,fp8=hybrid,fp8_history=-1": "fp8_history: '-1' is not allowed",
+    "mixed_bfloat16,fp8=hybrid,fp8_history=1.5": "fp8_history: '1.5' is not allowed",
+    "mixed_bfloat16,fp8=hybrid,fp8_history=99999999999": "fp8_history: '99999999999' is not allowed",
+    "mixed_bfloat16,fp8=hybrid,fp8_margin=x": r"fp8_margin: 'x' is not allowed; allowed: an int in \[0, ",
+    "mixed_bfloat16,fp8=hybrid,fp8_amax=mean": "fp8_amax: 'mean' is not allowed; allowed: max or most_recent",
+    "mixed_bfloat16,fp8=hybrid,fp8_pow2=1": "fp8_pow2: '1' is not allowed; allowed: true or false",
+    "mixed_bfloat16,fp8_margin=1": "fp8_margin sets an FP8 recipe field, but this policy has no FP8",
+    "mixed_bfloat16,fp8=none,fp8_history=4": "fp8_history sets an FP8 recipe field, but this policy has no FP8",
+    "fp8=hybrid": "names no dtype.*only an override's spec starts from its parent",
+    "p=f64,fp8=hybrid": "fp8: FP8 GEMMs need a compute dtype of float32, bfloat16 or float16",
+    "mixed_bfloat16,fp8=hybrid,fp8=e4m3": "key 'fp8' repeats 'fp8'",
+    "mixed_bfloat16,fp8=hybrid,fp8_lag=2": "unknown key 'fp8_lag'; allowed: .*fp8, fp8_scaling, fp8_history",
+    "mixed_bfloat16,@head={fp8=fp16}": "fp8: 'fp16' is not allowed",
+    "mixed_bfloat16,@head={fp8_pow2=true}": "fp8_pow2 sets an FP8 recipe field, but this policy has no FP8",
+}
+
+
+@pytest.mark.parametrize("spec,message", BAD_FP8.items())
+def test_bad_fp8_specs(spec, message):
+    with pytest.raises(PolicyError, match=message):
+        get_policy(spec)
+
+
+@pytest.mark.parametrize(
+    "call,message",
+    [
+        (lambda: Policy(fp8="hybrid"), "fp8: expected an mpx.Float8Recipe or None, got str"),
+        (lambda: Policy(fp8=HYBRID.to_dict()), "fp8: expected an mpx.Float8Recipe or None, got dict"),
+        (lambda: Policy("float64", "float64", "float64", fp8=HYBRID), "fp8: FP8 GEMMs need a compute dtype"),
+        (lambda: Policy.from_dict({**get_policy("bf16").to_dict(), "fp8": {"format": "e5m2"}}),
+         "policy dict: fp8: format: 'e5m2' is not allowed"),
+        (lambda: Policy.from_dict({**get_policy("bf16").to_dict(), "fp8": "hybrid"}),
+         "policy dict: fp8: recipe: expected a mapping"),
+    ],
+)  # fmt: skip
+def test_bad_fp8_values(call, message):
+    with pytest.raises(PolicyError, match=message):
+        call()
+
+
+def test_dicts_without_fp8_still_load_and_fp8_is_always_written():
+    data = get_policy("mixed_bfloat16").to_dict()
+    assert data["fp8"] is None
+    del data["fp8"]
+    assert Policy.from_dict(data) == get_policy("mixed_bfloat16")
+    d = get_policy("mixed_bfloat16_fp8").to_dict()
+    assert d["fp8"] == HYBRID.to_dict()
+
+
+def test_policy_show_prints_the_recipe(capsys):
+    from mpx.cli import main
+
+    assert main(["policy", "show", "mixed_bfloat16,fp8=hybrid,fp8_history=16,@head={fp8=none}"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "fp8      hybrid (e4m3 inputs and weights, e5m2 gradients); delayed scaling (history 16, amax max), "
+        "margin 0, power-of-two scales off; ops: matmul, linear, einsum"
+    ) in out
+    assert "  linear           lower        bfloat16  (FP8 GEMM)" in out
+    assert "  bmm              lower        bfloat16\n" in out
+    assert "  head                         -> params=float32,compute=bfloat16,output=float32" in out
+    assert main(["policy", "show", "mixed_bfloat16"]) == 0
+    assert "fp8      none" in capsys.readouterr().out
+    assert main(["policy", "show", "--json", "mixed_bfloat16_fp8_current"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert (
+        info["fp8"] == Float8Recipe(scaling="current").to_dict()
+        and info["name"] == "mixed_bfloat16_fp8_current"
+    )
+    assert info["fp8_ops"] == ["matmul", "linear", "einsum"]
+    assert main(["policy", "list"]) == 0
+    assert (
+        "mixed_bfloat16_fp8_current params=float32,compute=bfloat16,output=float32,fp8=hybrid,fp8_scaling=current"
+        in (capsys.readouterr().out)
+    )
+
+
+FP8_KEY_VALUES = {
+    "fp8_scaling": ["delayed", "current"],
+    "fp8_history": ["1", "2", "16", "1024", "2147483647"],
+    "fp8_amax": ["max", "most_recent"],
+    "fp8_margin": ["0", "1", "7", "2147483647"],
+    "fp8_pow2": ["true", "false"],
+}
+
+
+@st.composite
+def fp8_specs(draw):
+    """A key spec with an FP8 recipe (or fp8=none), maybe an override that names no dtype."""
+    base, chosen = draw(key_specs())
+    fmt = draw(st.sampled_from(["hybrid", "e4m3", "none"]))
+    assume_compute = chosen.get("compute", chosen.get("params", F32))
+    parts = [base, f"fp8{draw(SPACE)}={draw(SPACE)}{fmt}"]
+    fields = {}
+    if fmt != "none":
+        for key in draw(st.lists(st.sampled_from(list(FP8_KEY_VALUES)), unique=True, max_size=5)):
+            value = draw(st.sampled_from(FP8_KEY_VALUES[key]))
+            parts.append(f"{key}={value}")
+            raw = {"true": True, "false": False}.get(value, value)
+            fields[mpx.policy.FP8_KEYS[key]] = int(raw) if key in ("fp8_history", "fp8_margin") else raw
+    order = draw(st.permutations(parts))
+    override = draw(st.sampled_from(["", "@head={fp8=none}", "@head={fp8=e4m3}", "@x.*={c=f32}"]))
+    spec = ",".join(order) + ("," + override if override else "")
+    recipe = None if fmt == "none" else Float8Recipe(format=fmt, **fields)
+    return spec, recipe, assume_compute, override
+
+
+@settings(max_examples=300, deadline=None)
+@given(fp8_specs())
+def test_fp8_round_trip_property(case):
+    spec, recipe, compute, override = case
+    if compute == F64 and (recipe is not None or override == "@head={fp8=e4m3}"):
+        with pytest.raises(PolicyError, match="fp8: FP8 GEMMs need a compute dtype"):
+            get_policy(spec)
+        return
+    p = get_policy(spec)
+    assert p.fp8 == recipe
+    assert get_policy(str(p)) == p and str(get_policy(str(p))) == str(p)
+    assert Policy.from_dict(json.loads(json.dumps(p.to_dict()))) == p
+    if override == "@head={fp8=none}":
+        assert p.for_module("head") == dataclasses.replace(p, overrides=(), fp8=None)
+    elif override == "@head={fp8=e4m3}":
+        expected = dataclasses.replace(recipe or HYBRID, format="e4m3")
+        assert p.for_module("head") == dataclasses.replace(p, overrides=(), fp8=expected)
