@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mpx import PolicyError
+from mpx import PolicyError, UnsupportedTypeError
 from mpx_torch import _compat
 from mpx_torch._compile import frame_skipped
 
@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 __all__ = [
     "OptState",
     "OptimizerStep",
+    "checked_optimizer",
     "has_fresh_state",
     "step_fused",
     "step_grad_scaler_kwarg",
@@ -84,6 +85,24 @@ class OptimizerStep:
         if not flags:
             return torch.zeros((), dtype=torch.float32, device=device)
         return flags[0] if len(flags) == 1 else torch.stack([f.reshape(()) for f in flags]).sum()
+
+
+@frame_skipped
+def checked_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """``optimizer``, when it is a torch optimizer (``param_groups`` and ``step``, what torch's code reads).
+
+    Raises:
+        mpx.UnsupportedTypeError: for anything else.
+    """
+    if not (
+        isinstance(getattr(optimizer, "param_groups", None), list)
+        and callable(getattr(optimizer, "step", None))
+    ):
+        raise UnsupportedTypeError(
+            f"optimizer: expected a torch.optim.Optimizer (an object with param_groups and step()), got "
+            f"{type(optimizer).__name__}."
+        )
+    return optimizer
 
 
 def unscale_grads(

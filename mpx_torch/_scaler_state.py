@@ -8,6 +8,7 @@ changes, and every failure is an :class:`mpx.StateDictError` (or
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,7 +24,7 @@ from mpx import (
 )
 from mpx.scaling import _finite_float, _is_int, _show, f32
 
-__all__ = ["NATIVE_KEYS", "as_config", "native_to_neutral"]
+__all__ = ["NATIVE_KEYS", "as_config", "as_neutral", "native_to_neutral", "new_scale_value"]
 
 #: The keys of a ``torch.amp.GradScaler.state_dict()``.
 NATIVE_KEYS = frozenset({"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"})
@@ -41,6 +42,42 @@ def as_config(config: Any) -> ScalerConfig:
             f"device first, mpx_torch.GradScaler takes it second: GradScaler(device={config!r})"
         )
     return as_scaler_config(config)
+
+
+def as_neutral(data: Any) -> Any:
+    """What ``GradScaler.load_state_dict`` reads: a ``torch.amp.GradScaler`` dict becomes a neutral one
+    (:func:`native_to_neutral`); anything else is returned for :func:`mpx.load_state_dict` to check.
+
+    Raises:
+        StateDictError: for an empty dict (what a disabled scaler saves) or a bad native one.
+    """
+    if isinstance(data, Mapping) and "format" not in data:
+        if len(data) == 0:
+            raise StateDictError(
+                "state dict: the source state dict is empty, possibly because it was saved from a "
+                "disabled GradScaler; nothing to load"
+            )
+        if set(data) == NATIVE_KEYS:
+            return native_to_neutral(data)
+    return data
+
+
+def new_scale_value(config: ScalerConfig, new_scale: Any) -> float:
+    """``GradScaler.update(new_scale)``'s float, as a float32 value the config allows.
+
+    Raises:
+        ScalerConfigError: for a scaler that is not dynamic, or a value outside [min_scale, max_scale].
+    """
+    finite = _finite_float(new_scale)
+    value = math.nan if finite is None else f32(finite)
+    lo, hi = config.bounds
+    if config.kind != "dynamic":
+        raise ScalerConfigError(f"new_scale: a {config.kind} scaler's scale cannot be changed")
+    if not (math.isfinite(value) and value > 0 and lo <= value <= hi):
+        raise ScalerConfigError(
+            f"new_scale: {new_scale!r} lies outside [min_scale, max_scale] = [{lo}, {hi}]"
+        )
+    return value
 
 
 def native_to_neutral(data: Mapping[str, Any]) -> dict[str, Any]:

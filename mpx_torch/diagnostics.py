@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from mpx.diagnostics import (
-    DiagnosticsError,
     NonfiniteReport,
     NonfiniteSite,
     UnderflowReport,
@@ -30,6 +29,7 @@ from mpx.diagnostics import (
     nonfinite_report,
 )
 from mpx.dtypes import canonical_dtype, dtype_info
+from mpx.errors import UnsupportedTypeError
 
 __all__ = ["Watch", "underflow_stats", "watch"]
 
@@ -76,7 +76,7 @@ class Watch:
     def __init__(self, model: nn.Module, *, scaler: Any = None, backward: bool = True,
                  gradients: bool = True, log: bool = True) -> None:  # fmt: skip
         if not isinstance(model, nn.Module):
-            raise DiagnosticsError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+            raise UnsupportedTypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}.")
         self.model = model
         self.scaler = scaler
         self.backward = backward

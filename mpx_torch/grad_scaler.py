@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import math
 from collections import abc, defaultdict
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -34,44 +33,29 @@ from mpx import (
     MPXError,
     Policy,
     ScalerConfig,
-    ScalerConfigError,
     ScalerState,
-    StateDictError,
     UnsupportedTypeError,
     load_state_dict,
     scaler_init,
     state_dict,
 )
-from mpx.scaling import _finite_float, f32
 from mpx_torch import _compat
 from mpx_torch._compile import eager_under_dynamo, make_eager
 from mpx_torch._device_state import DeviceState as _DeviceState
 from mpx_torch._optimizer_step import (
     OptimizerStep,
     OptState,
+    checked_optimizer,
     step_fused,
     step_grad_scaler_kwarg,
     step_plain,
     unscale_grads,
 )
-from mpx_torch._scaler_state import NATIVE_KEYS, as_config, native_to_neutral
+from mpx_torch._scaler_state import as_config, as_neutral, new_scale_value
 from mpx_torch.distributed import agree_found_inf, check_process_group, group_to_agree
-from mpx_torch.history import HistoryBuffer, loss_finite_flag
+from mpx_torch.history import HistoryBuffer, check_stuck_after, loss_finite_flag
 
 __all__ = ["GradScaler", "OptState", "OptimizerStep"]
-
-
-def _checked(optimizer: Any) -> torch.optim.Optimizer:
-    """``optimizer``, when it is a torch optimizer (``param_groups`` and ``step``, as torch's code reads)."""
-    if not (
-        isinstance(getattr(optimizer, "param_groups", None), list)
-        and callable(getattr(optimizer, "step", None))
-    ):
-        raise UnsupportedTypeError(
-            f"optimizer: expected a torch.optim.Optimizer (an object with param_groups and step()), got "
-            f"{type(optimizer).__name__}."
-        )
-    return optimizer
 
 
 class GradScaler(torch.amp.GradScaler):
@@ -236,7 +220,7 @@ class GradScaler(torch.amp.GradScaler):
         allow_fp16: bool,
     ) -> dict[torch.device, torch.Tensor]:
         """torch's helper (same signature): unscale in place, returning the non-finite flags per device."""
-        return unscale_grads(_checked(optimizer), inv_scale, found_inf, allow_fp16=allow_fp16)
+        return unscale_grads(checked_optimizer(optimizer), inv_scale, found_inf, allow_fp16=allow_fp16)
 
     @eager_under_dynamo
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
@@ -256,7 +240,7 @@ class GradScaler(torch.amp.GradScaler):
         if self._passthrough():
             return
         tensors = self._check_initialized("unscale_")
-        record = self._per_optimizer_states[id(_checked(optimizer))]
+        record = self._per_optimizer_states[id(checked_optimizer(optimizer))]
         if record.stage is OptState.UNSCALED:
             raise RuntimeError(
                 "unscale_() has already been called on this optimizer since the last update()."
@@ -285,7 +269,7 @@ class GradScaler(torch.amp.GradScaler):
         tensors = self._check_initialized("_check_inf_per_device")
         one = torch.ones((), dtype=torch.float32, device=tensors.device)
         found_inf = torch.zeros((), dtype=torch.float32, device=tensors.device)
-        found = unscale_grads(_checked(optimizer), one, found_inf, allow_fp16=True)
+        found = unscale_grads(checked_optimizer(optimizer), one, found_inf, allow_fp16=True)
         self._per_optimizer_states[id(optimizer)].found_inf_per_device = found
         return found
 
@@ -317,7 +301,7 @@ class GradScaler(torch.amp.GradScaler):
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
         tensors = self._check_initialized("step")
-        record = self._per_optimizer_states[id(_checked(optimizer))]
+        record = self._per_optimizer_states[id(checked_optimizer(optimizer))]
         if record.stage is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
         protocol = step_plain
@@ -361,18 +345,7 @@ class GradScaler(torch.amp.GradScaler):
                     )
                 tensors.scale.copy_(new_scale.reshape(()))
             else:
-                finite = _finite_float(new_scale)
-                value = math.nan if finite is None else f32(finite)
-                lo, hi = self._config.bounds
-                if self._config.kind != "dynamic":
-                    raise ScalerConfigError(
-                        f"new_scale: a {self._config.kind} scaler's scale cannot be changed"
-                    )
-                if not (math.isfinite(value) and value > 0 and lo <= value <= hi):
-                    raise ScalerConfigError(
-                        f"new_scale: {new_scale!r} lies outside [min_scale, max_scale] = [{lo}, {hi}]"
-                    )
-                tensors.scale.fill_(value)
+                tensors.scale.fill_(new_scale_value(self._config, new_scale))
         else:
             found_infs = [
                 found_inf.to(device=tensors.device, non_blocking=True)
@@ -394,20 +367,9 @@ class GradScaler(torch.amp.GradScaler):
                     self._history = HistoryBuffer(self._history, tensors.device)
                 self._history.record(tensors)
             if self._config.max_consecutive_skips is not None:
-                self._check_stuck(tensors)
+                loss_finite, self._loss_finite = self._loss_finite, None
+                check_stuck_after(self._config, tensors, loss_finite)
         self._per_optimizer_states = defaultdict(OptimizerStep)
-
-    def _check_stuck(self, tensors: _DeviceState) -> None:
-        """:func:`mpx.check_stuck` after an update: one host read of the scale, the count and the loss flag."""
-        loss_finite, self._loss_finite = self._loss_finite, None
-        if loss_finite is None:  # -1: unknown (no loss was scaled, or it held no tensor)
-            flag = torch.full((), -1.0, dtype=torch.float64, device=tensors.device)
-        else:
-            flag = loss_finite.to(device=tensors.device, dtype=torch.float64)
-        values = torch.stack([tensors.scale.double(), tensors.consecutive_nonfinite.double(), flag])
-        scale, consecutive, finite = values.tolist()
-        # stacklevel: the warning points at the caller of update() (past the method and its eager wrapper)
-        mpx.check_stuck(self._config, scale, int(consecutive), int(finite), stacklevel=4)
 
     # -- history (mpx_torch.history) ------------------------------------------------------
     def record_history(self, enabled: bool = True, *, capacity: int = 65536) -> None:
@@ -514,17 +476,9 @@ class GradScaler(torch.amp.GradScaler):
             mpx.StateDictError: for a malformed dict of either form, or an
                 empty one loaded into an enabled scaler.
         """
-        if isinstance(state_dict, Mapping) and "format" not in state_dict:
-            if len(state_dict) == 0:
-                if not self._enabled:
-                    return
-                raise StateDictError(
-                    "state dict: the source state dict is empty, possibly because it was saved from a "
-                    "disabled GradScaler; nothing to load"
-                )
-            if set(state_dict) == NATIVE_KEYS:
-                state_dict = native_to_neutral(state_dict)
-        config, state = load_state_dict(state_dict)  # every check first: below, nothing can fail
+        if isinstance(state_dict, Mapping) and len(state_dict) == 0 and not self._enabled:
+            return  # what a disabled scaler saves, into a disabled scaler: as torch
+        config, state = load_state_dict(as_neutral(state_dict))  # every check first: below, nothing can fail
         self._set_config(config, state)
 
     # -- torch.amp.GradScaler's private surface, read from the mpx state ---------------------------

@@ -23,8 +23,9 @@ import torch
 from mpx.errors import MPXError
 from mpx.history import ScalerHistory
 from mpx.scaling import COUNTER_MAX, ScalerConfig
+from mpx.stuck import check_stuck
 
-__all__ = ["HistoryBuffer", "log_history", "loss_finite_flag"]
+__all__ = ["HistoryBuffer", "check_stuck_after", "log_history", "loss_finite_flag"]
 
 
 class HistoryBuffer:
@@ -67,6 +68,22 @@ def loss_finite_flag(outputs: Any) -> torch.Tensor | None:
     flags = [torch.isfinite(t).all() for t in outputs if isinstance(t, torch.Tensor)] if isinstance(
         outputs, (list, tuple)) else []  # fmt: skip
     return torch.stack(flags).all() if flags else None
+
+
+def check_stuck_after(config: ScalerConfig, tensors: Any, loss_finite: torch.Tensor | None) -> None:
+    """:func:`mpx.check_stuck` after ``GradScaler.update``: one host read of the scale, the count and the flag.
+
+    ``loss_finite``: :func:`loss_finite_flag` of the losses scaled since the last update (None: unknown).
+    The warning (``on_stuck="warn"``) points at the line that called ``update()``.
+    """
+    if loss_finite is None:  # -1: unknown (no loss was scaled, or it held no tensor)
+        flag = torch.full((), -1.0, dtype=torch.float64, device=tensors.device)
+    else:
+        flag = loss_finite.to(device=tensors.device, dtype=torch.float64)
+    values = torch.stack([tensors.scale.double(), tensors.consecutive_nonfinite.double(), flag])
+    scale, consecutive, finite = values.tolist()
+    # stacklevel: past this function, update() and its eager wrapper, to update()'s caller
+    check_stuck(config, scale, int(consecutive), int(finite), stacklevel=5)
 
 
 def log_history(history: Any, writer: Any, *, prefix: str = "loss_scaler", since: int = 0) -> int:

@@ -95,7 +95,7 @@ def test_no_hooks_outside_watch():
 
 
 def test_watch_rejects_non_module():
-    with pytest.raises(DiagnosticsError, match="model"):
+    with pytest.raises(mpx.UnsupportedTypeError, match=r"model: expected a torch\.nn\.Module, got str\."):
         mpx_torch.watch("not a model")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import warnings
 
 import pytest
@@ -108,3 +109,33 @@ def test_state_dict_round_trips_the_fields() -> None:
     }
     other.load_state_dict(old)  # a dict written before the fields existed: detection off
     assert other.config.max_consecutive_skips is None and other.config.on_stuck == "raise"
+
+
+def _two_inf_losses(scaler, w, opt, last_update):
+    for i in range(2):
+        scaler.scale((w * float("inf")).sum()).backward()
+        scaler.step(opt)
+        if i == 0:
+            scaler.update()
+    last_update()
+
+
+def test_the_core_check_decides_from_one_host_read(monkeypatch):
+    """The torch copy of the stuck check is gone: mpx.check_stuck decides."""
+    calls = []
+    real = mpx_torch.history.check_stuck
+    monkeypatch.setattr(mpx_torch.history, "check_stuck", lambda *a, **k: calls.append(a[1:]) or real(*a, **k))
+    scaler, w, opt = _setup(max_consecutive_skips=2, on_stuck="warn")
+    with pytest.warns(mpx.ScalerStuckWarning):
+        _two_inf_losses(scaler, w, opt, scaler.update)
+    assert calls == [(2.0, 1, 0), (1.0, 2, 0)]  # scale, consecutive skips, loss finite (0: an inf loss)
+
+
+def test_the_warning_points_at_the_update_call():
+    scaler, w, opt = _setup(max_consecutive_skips=2, on_stuck="warn")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        line = sys._getframe().f_lineno + 1
+        _two_inf_losses(scaler, w, opt, lambda: scaler.update())
+    (warning,) = [w for w in seen if issubclass(w.category, mpx.ScalerStuckWarning)]
+    assert (warning.filename, warning.lineno) == (__file__, line)
