@@ -1,7 +1,10 @@
 """What the Lightning, Accelerate and HF Transformers integrations share.
 
 Nothing here imports a training library: ``mpx_torch.lightning``,
-``mpx_torch.accelerate`` and ``mpx_torch.transformers`` import theirs.
+``mpx_torch.accelerate`` and ``mpx_torch.transformers`` import theirs, check
+its version with :func:`require_library` at import, and reach its private
+names only through :func:`library_internal` (one
+:class:`mpx.FrameworkVersionError` naming a missing one, never a fallback).
 
 >>> import mpx
 >>> lightning_precision(mpx.get_policy("mixed_float16")), lightning_precision(mpx.get_policy("bfloat16"))
@@ -10,6 +13,7 @@ Nothing here imports a training library: ``mpx_torch.lightning``,
 
 from __future__ import annotations
 
+import importlib.metadata
 import warnings
 from typing import Any
 
@@ -17,9 +21,35 @@ import torch
 from torch import nn
 
 from mpx import Policy
+from mpx.versions import missing_internal, require_version
 from mpx_torch.grad_scaler import GradScaler, OptState
 
-__all__ = ["HalfParametersWarning", "lightning_precision", "unscale_once", "warn_half_parameters"]
+__all__ = [
+    "HalfParametersWarning",
+    "library_internal",
+    "lightning_precision",
+    "require_library",
+    "unscale_once",
+    "warn_half_parameters",
+]
+
+_MISSING = object()
+
+
+def require_library(library: str) -> str:
+    """The installed version of ``library``; raises :class:`mpx.FrameworkVersionError` below mpx's floor."""
+    version = importlib.metadata.version(library)
+    require_version(library, version)
+    return version
+
+
+def library_internal(library: str, owner: Any, name: str, qualname: str, used_for: str) -> Any:
+    """``getattr(owner, name)``, or raise the :class:`mpx.FrameworkVersionError` naming ``qualname``."""
+    value = getattr(owner, name, _MISSING)
+    if value is _MISSING:
+        raise missing_internal(library, importlib.metadata.version(library), qualname, used_for)
+    return value
+
 
 _LIGHTNING_PREFIX = {"float16": "16", "bfloat16": "bf16", "float32": "32", "float64": "64"}
 

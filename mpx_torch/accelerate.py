@@ -31,18 +31,30 @@ from accelerate.utils import DistributedType
 
 from mpx import MPXError, OpTable, PolicySpec, ScalerConfig, UnsupportedTypeError, get_policy
 from mpx_torch._compat import step_supports_amp_scaling
-from mpx_torch._integrations import HalfParametersWarning, unscale_once, warn_half_parameters
+from mpx_torch._integrations import (
+    HalfParametersWarning,
+    library_internal,
+    require_library,
+    unscale_once,
+    warn_half_parameters,
+)
 from mpx_torch.grad_scaler import GradScaler
 from mpx_torch.prepare import prepare
 
 __all__ = ["HalfParametersWarning", "attach"]
+
+require_library("accelerate")
 
 _UNSUPPORTED = (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM, DistributedType.XLA)
 
 
 def _prepared(accelerator: Accelerator, what: str) -> list[Any]:
     # Accelerate keeps the models and optimizers it prepared in private lists (no public accessor)
-    return list(getattr(accelerator, f"_{what}", ()))
+    return list(
+        library_internal(
+            "accelerate", accelerator, f"_{what}", f"Accelerator._{what}", f"attach() (the prepared {what})"
+        )
+    )
 
 
 def _report_fused_skips(accelerated: AcceleratedOptimizer, scaler: GradScaler) -> None:
@@ -56,6 +68,8 @@ def _report_fused_skips(accelerated: AcceleratedOptimizer, scaler: GradScaler) -
     ``_is_overflow`` flag is set from the scaler's state instead.
     """
     step = accelerated.step
+    used_for = "step_was_skipped of fused optimizers"
+    library_internal("accelerate", accelerated, "_is_overflow", "AcceleratedOptimizer._is_overflow", used_for)
 
     def checked_step(self: AcceleratedOptimizer, *args: Any, **kwargs: Any) -> Any:
         output = step(*args, **kwargs)

@@ -40,7 +40,9 @@ from mpx import MPXError, OpTable, Policy, PolicySpec, ScalerConfig, get_policy
 from mpx_torch._compat import step_supports_amp_scaling
 from mpx_torch._integrations import (
     HalfParametersWarning,
+    library_internal,
     lightning_precision,
+    require_library,
     unscale_once,
     warn_half_parameters,
 )
@@ -49,6 +51,8 @@ from mpx_torch.grad_scaler import GradScaler
 from mpx_torch.prepare import prepare
 
 __all__ = ["HalfParametersWarning", "MPXFabricPrecision", "MPXPrecision"]
+
+require_library("lightning")
 
 # where Lightning's own MixedPrecision saved its torch.amp.GradScaler state (current, and before 2.0)
 _NATIVE_CHECKPOINT_KEYS = ("MixedPrecision", "native_amp_scaling_state")
@@ -170,7 +174,11 @@ class MPXPrecision(_MPXPlugin, Precision):
         clipping = bool(model.trainer.gradient_clip_val)
         if not skip and (clipping or not _handles_unscaling(optimizer)):
             unscale_once(self.scaler, optimizer)
-        self._after_closure(model, optimizer)
+        # Lightning's shared step tail: on_before_optimizer_step hooks, then configure_gradient_clipping
+        after_closure = library_internal(
+            "lightning", self, "_after_closure", "Precision._after_closure", "MPXPrecision.optimizer_step"
+        )
+        after_closure(model, optimizer)
         if skip:
             return closure_result
         return self._step_with_scaler(optimizer, **kwargs)

@@ -29,12 +29,14 @@ from typing import Any
 from transformers import Trainer
 
 from mpx import MPXError, OpTable, Policy, PolicySpec, ScalerConfig, get_policy
-from mpx_torch._integrations import HalfParametersWarning, warn_half_parameters
+from mpx_torch._integrations import HalfParametersWarning, require_library, warn_half_parameters
 from mpx_torch.accelerate import attach
 from mpx_torch.grad_scaler import GradScaler
 from mpx_torch.prepare import prepare
 
 __all__ = ["HalfParametersWarning", "MPXTrainer", "MPXTrainerMixin"]
+
+require_library("transformers")
 
 
 def _check_args(args: Any) -> None:

@@ -206,3 +206,10 @@ def test_importing_mpx_torch_imports_no_training_library():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_a_missing_accelerate_internal_is_one_clear_error(monkeypatch):
+    accelerator = Accelerator(cpu=True)
+    monkeypatch.delattr(accelerator, "_models")
+    with pytest.raises(mpx.FrameworkVersionError, match=r"accelerate 1\.\S+ has no Accelerator\._models"):
+        attach(accelerator, "mixed_float16")

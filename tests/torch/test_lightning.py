@@ -283,3 +283,19 @@ def _run_docs_example(name, tmp_path):
 def test_the_docs_examples_run(tmp_path):
     assert _run_docs_example("torch-lightning", tmp_path).splitlines()[-1] == "16-mixed 4 4"
     assert _run_docs_example("torch-fabric", tmp_path).splitlines()[-1] == "16-mixed 4"
+
+
+def test_a_missing_lightning_internal_is_one_clear_error(monkeypatch):
+    from lightning.pytorch.plugins.precision import Precision
+
+    monkeypatch.delattr(Precision, "_after_closure")
+    with pytest.raises(mpx.FrameworkVersionError, match=r"lightning 2\.\S+ has no Precision\._after_closure"):
+        _trainer(MPXPrecision("mixed_float16", SMALL), 1).fit(Model(), _batches(1))
+
+
+def test_a_lightning_below_the_floor_is_refused(monkeypatch):
+    from mpx_torch._integrations import require_library
+
+    monkeypatch.setitem(mpx.versions.MINIMUM_VERSIONS, "lightning", "99.0")
+    with pytest.raises(mpx.FrameworkVersionError, match=r"lightning 2\.\S+ is older than mpx supports"):
+        require_library("lightning")
