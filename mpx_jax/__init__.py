@@ -9,7 +9,7 @@ only jax and optax).
 131072.0
 """
 
-from mpx_jax.autocast import autocast
+from mpx_jax.autocast import AutocastError, AutocastFallbackWarning, autocast
 from mpx_jax.casting import cast_to_compute, cast_to_output, cast_to_param, cast_tree
 from mpx_jax.diagnostics import find_nonfinite, underflow_stats
 from mpx_jax.distributed import all_reduce_gradients, combine_finite, mapped_axes
@@ -19,6 +19,8 @@ from mpx_jax.opt_state import get_loss_scale, set_loss_scale
 from mpx_jax.transform import LossScalingState, with_loss_scaling
 
 __all__ = [
+    "AutocastError",
+    "AutocastFallbackWarning",
     "HistoryRecorder",
     "LossScale",
     "LossScalingState",

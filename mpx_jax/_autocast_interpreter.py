@@ -2,7 +2,7 @@
 
 Each equation's inputs are cast according to the class of its primitive (:class:`Rules`); calls are
 inlined, named functions (``jax.nn.softmax``...) follow their class, float32 islands (the float32 a
-function makes itself, :func:`mpx_jax._autocast_rules.self_made`) run as traced, equations traced in
+function makes itself or upcasts, :func:`mpx_jax._autocast_rules.float32_islands`) run as traced, equations traced in
 a nested float32 autocast run at float32, and what the interpreter cannot retype is reported
 (:class:`AutocastFallbackWarning`, or :class:`AutocastError` under ``strict``) before it runs at its
 traced dtypes.  The higher-order primitives are in :mod:`mpx_jax._autocast_control`.
@@ -31,10 +31,10 @@ from mpx_jax._autocast_rules import (
     Rules,
     cast,
     dtype_of,
+    float32_islands,
     func_name,
     has_subjaxpr,
     is_float,
-    self_made,
 )
 from mpx_jax._compat import INLINE_CALL_PRIMITIVES, ClosedJaxpr, Literal, name_scopes, param
 from mpx_jax._jaxpr import bind, eqn_context
@@ -139,7 +139,7 @@ class Interpreter(ControlFlow):
         env.update(zip(jaxpr.constvars, consts, strict=False))
         env.update(zip(jaxpr.invars, args, strict=False))
         fed = self.rules.float32_fed(jaxpr) if rules else frozenset()
-        island = self_made(jaxpr, consts, island_args) if rules else frozenset()
+        island = float32_islands(jaxpr, consts, island_args) if rules else frozenset()
         # values a FLOAT32-class op computed (and elementwise results of them only)
         wide: set[Any] = set()
         for eqn in jaxpr.eqns:
@@ -157,14 +157,15 @@ class Interpreter(ControlFlow):
             if target is not self:
                 with eqn_context(eqn):
                     outs = target.eqn(eqn, invals, True, flags)
-            elif in_island and not has_subjaxpr(eqn.params):
-                # the float32 the function made itself (positions, frequencies): exactly as traced
-                with eqn_context(eqn):
-                    outs = self.exact(eqn, invals)
             elif rules and name == "convert_element_type" and from_wide and param(eqn, "new_dtype") in HALF:
                 # jnp's own "upcast, reduce, cast back" (jnp.mean, jnp.sum of half inputs): a FLOAT32
                 # op's result stays float32, as the op table says
                 outs = [invals[0]]
+            elif in_island and not has_subjaxpr(eqn.params):
+                # the function's own float32 (positions, frequencies, an explicit upcast): as traced,
+                # neither lowered nor cast by its class
+                with eqn_context(eqn):
+                    outs = self.generic(eqn, invals, flags)
             elif name == "convert_element_type" and (
                 target_dtype := self.retype.get(np.dtype(param(eqn, "new_dtype")))
             ):
@@ -180,14 +181,10 @@ class Interpreter(ControlFlow):
             env.update(zip(eqn.outvars, outs, strict=False))
             if name in WEAK_KEEPING and flags and all(flags):
                 weak.update(eqn.outvars)
-            if (
-                rules
-                and not in_island
-                and (
-                    (name in ELEMENTWISE and from_wide)
-                    or self.rules.op_class(name) is OpClass.FLOAT32
-                    or (name == "convert_element_type" and from_wide)
-                )
+            if rules and (
+                (name in ELEMENTWISE and from_wide)
+                or self.rules.op_class(name) is OpClass.FLOAT32
+                or (name == "convert_element_type" and from_wide)
             ):
                 wide.update(v for v, o in zip(eqn.outvars, outs, strict=False) if dtype_of(o) == F32)
         return [read(v) for v in jaxpr.outvars]
@@ -238,14 +235,17 @@ class Interpreter(ControlFlow):
         traced = [str(v.aval.dtype) for v in eqn.invars if is_float(v.aval.dtype)]
         message = (
             f"mpx_jax.autocast could not run {name} with inputs of dtype {now or 'none'} (traced at "
-            f"{traced or 'none'}): {why}. It runs at its traced dtypes instead, outside the op table."
+            f"{traced or 'none'}): {why}."
         )
         if self.strict:
-            raise AutocastError(message + " (strict=True makes this an error; without it, a warning.)")
+            raise AutocastError(f"{message} Raised because autocast was called with strict=True.")
         if name not in self.warned:
             self.warned.add(name)
             warnings.warn(
-                message + " Pass strict=True to make this an error.", AutocastFallbackWarning, stacklevel=2
+                f"{message} It runs at its traced dtypes instead, outside the op table; pass strict=True "
+                "to make this an error.",
+                AutocastFallbackWarning,
+                stacklevel=2,
             )
         return self.exact(eqn, invals)
 

@@ -6,9 +6,9 @@ and the analyses of one jaxpr that decide where those classes apply.
   names JAX keeps on ``jit``/``custom_jvp`` calls (``jax.nn.softmax``...) to ops.
 * :meth:`Rules.float32_fed`: elementwise work whose every use wants float32 (the difference and square
   of a hand-written MSE) runs in float32.
-* :func:`self_made`: the float32 the function makes itself (``iota``/``arange`` positions, constants,
-  values converted from integers, random bits) and everything computed from it alone: the float32
-  islands autocast runs exactly as traced.
+* :func:`float32_islands`: the float32 the function makes itself (``iota``/``arange`` positions,
+  constants, values converted from integers, random bits) or upcasts explicitly from a half-precision
+  value, and everything computed from those alone: the float32 islands autocast runs as traced.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import mpx
 from mpx.ops import OpClass, OpTable
 from mpx_jax._compat import INLINE_CALL_PRIMITIVES, ClosedJaxpr, Jaxpr, Literal, param
 
-__all__ = ["FLOAT32_PRIMITIVES", "NAMED", "PRIMITIVE_OPS", "Rules", "self_made"]
+__all__ = ["FLOAT32_PRIMITIVES", "NAMED", "PRIMITIVE_OPS", "Rules", "float32_islands"]
 
 #: jax primitive -> canonical op of the mpx op table (its class decides the casts).
 PRIMITIVE_OPS: dict[str, str] = {
@@ -147,16 +147,17 @@ def is_weak_var(v: Any) -> bool:
     return isinstance(v, Literal) or bool(getattr(v.aval, "weak_type", False))
 
 
-def self_made(jaxpr: Any, consts: Sequence[Any], island_args: Sequence[bool] | None = None) -> set[Any]:
-    """The floating variables of ``jaxpr`` computed from nothing the caller passed in: its float32 islands.
+def float32_islands(jaxpr: Any, consts: Sequence[Any], island_args: Sequence[bool] | None = None) -> set[Any]:
+    """The floating variables of ``jaxpr`` that are the function's own float32: its float32 islands.
 
-    A value is self-made when no floating argument and no closed-over jax array flows into it: an
-    ``iota`` (``jnp.arange(n, dtype=jnp.float32)``), a constant the function builds (``jnp.zeros``, a
-    numpy array it converts), a float converted from integers or booleans, random bits.  Results of
-    equations whose floating operands are all self-made (weakly typed scalars aside) are self-made too:
-    keras-hub's rotary ``einsum("bi,j->bij", positions, inverse_freq)`` is.  A closed-over
-    ``jax.Array`` (a parameter a function closes over) is not.  ``island_args`` marks arguments that are
-    islands where the caller's jaxpr computed them (a ``jit`` call's operands).
+    An island starts where the function makes float32 from nothing the caller passed in: an ``iota``
+    (``jnp.arange(n, dtype=jnp.float32)``), a constant it builds (``jnp.zeros``, a numpy array it
+    converts), a float converted from integers or booleans, random bits; or where it upcasts a value
+    the trace holds in half precision (``x.astype(jnp.float32)``, a ``convert_element_type`` from
+    float16/bfloat16 to float32).  Results of equations whose floating operands are all islands
+    (weakly typed scalars aside) are islands too: keras-hub's rotary ``einsum("bi,j->bij", positions,
+    inverse_freq)`` is.  A closed-over ``jax.Array`` (a parameter a function closes over) is not.
+    ``island_args`` marks arguments that are islands in the caller's jaxpr (a ``jit`` call's operands).
     """
     island: set[Any] = {
         v
@@ -168,17 +169,25 @@ def self_made(jaxpr: Any, consts: Sequence[Any], island_args: Sequence[bool] | N
         flags = [isinstance(v, Literal) or v in island for v in eqn.invars]
         if eqn.primitive.name in INLINE_CALL_PRIMITIVES and isinstance(eqn.params.get("jaxpr"), ClosedJaxpr):
             body = eqn.params["jaxpr"]
-            inner = self_made(body.jaxpr, body.consts, flags)
+            inner = float32_islands(body.jaxpr, body.consts, flags)
             island.update(
                 v
                 for v, w in zip(eqn.outvars, body.jaxpr.outvars, strict=False)
                 if isinstance(w, Literal) or w in inner
             )
+        elif eqn.primitive.name == "convert_element_type" and _upcast(eqn):
+            island.update(eqn.outvars)
         elif not has_subjaxpr(eqn.params) and all(
             f for v, f in zip(eqn.invars, flags, strict=True) if is_float(v.aval.dtype) and not is_weak_var(v)
         ):
             island.update(v for v in eqn.outvars if is_float(v.aval.dtype))
     return island
+
+
+def _upcast(eqn: Any) -> bool:
+    """Whether a ``convert_element_type`` equation casts a half-precision value to float32."""
+    (x,) = eqn.invars
+    return np.dtype(x.aval.dtype) in HALF and np.dtype(param(eqn, "new_dtype")) == F32
 
 
 class Rules:

@@ -1,3 +1,5 @@
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -5,6 +7,7 @@ import optax
 import pytest
 
 import mpx
+import mpx_jax
 from mpx_jax import autocast
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
@@ -345,3 +348,90 @@ def test_integer_power_stays_elementwise_and_lax_pow_is_float32():
     x = jnp.ones((3,), jnp.bfloat16)
     assert autocast(lambda a: a**2, "mixed_bfloat16")(x).dtype == jnp.bfloat16
     assert autocast(lambda a: jnp.power(a, 2.5), "mixed_bfloat16")(x).dtype == jnp.float32
+
+
+def bitcast_after_matmul(x, w):
+    # the matmul lowers to bfloat16; a 32-bit bitcast of a 16-bit value is refused
+    return jax.lax.bitcast_convert_type(x @ w, jnp.int32)
+
+
+def linear_solve(a, b):
+    return jax.lax.custom_linear_solve(lambda v: a @ v, b, lambda mv, bb: bb / 2)
+
+
+def test_a_refused_retyping_warns_once_per_primitive_and_runs_at_the_traced_dtypes():
+    x, w = rand((2, 3)), rand((3, 4), key=1)
+    f = autocast(bitcast_after_matmul, "mixed_bfloat16")
+    with pytest.warns(mpx_jax.AutocastFallbackWarning) as rec:
+        out = f(x, w)
+        f(x, w)  # a second trace: no second warning for the same primitive
+    fallbacks = [r for r in rec if r.category is mpx_jax.AutocastFallbackWarning]
+    assert len(fallbacks) == 1
+    message = str(fallbacks[0].message)
+    assert "bitcast_convert_type" in message and "['bfloat16']" in message and "['float32']" in message
+    assert "strict=True" in message
+    # it ran at its traced dtype: the bfloat16 product cast back to float32, then bitcast
+    h = jnp.dot(x.astype(BF16), w.astype(BF16), preferred_element_type=F32).astype(BF16).astype(F32)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(jax.lax.bitcast_convert_type(h, jnp.int32)))
+
+
+def test_a_primitive_autocast_cannot_look_inside_warns():
+    a, b = jnp.eye(3) * 2, jnp.ones(3)
+    with pytest.warns(mpx_jax.AutocastFallbackWarning, match="custom_linear_solve.*does not look inside"):
+        out = autocast(linear_solve, "mixed_bfloat16")(a, b)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(linear_solve(a, b)))
+
+
+@pytest.mark.parametrize("fn", [bitcast_after_matmul, linear_solve], ids=["refused", "opaque"])
+def test_strict_raises_instead(fn):
+    args = (rand((3, 3)), rand((3, 3), key=1)) if fn is bitcast_after_matmul else (jnp.eye(3), jnp.ones(3))
+    g = autocast(fn, "mixed_bfloat16", strict=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", mpx_jax.AutocastFallbackWarning)
+        with pytest.raises(mpx_jax.AutocastError, match="could not run .* strict=True") as info:
+            g(*args)
+    assert isinstance(info.value, mpx.MPXError)
+    with pytest.raises(mpx.MPXError, match="strict: expected True or False"):
+        autocast(fn, "mixed_bfloat16", strict="yes")
+
+
+def test_scatters_run_at_their_traced_dtypes_without_a_warning():
+    def f(x, w):
+        return jnp.zeros((4, 4)).at[jnp.array([0, 2])].add(x @ w)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", mpx_jax.AutocastFallbackWarning)
+        out = autocast(f, "mixed_bfloat16")(rand((2, 3)), rand((3, 4), key=1))
+    assert out.dtype == F32
+
+
+def test_a_renamed_primitive_is_the_one_version_error(monkeypatch):
+    from jax.extend.core import primitives
+
+    import mpx_jax._compat as compat
+
+    class Renamed:
+        name = "pjit"
+
+    monkeypatch.setattr(primitives, "jit_p", Renamed())
+    with pytest.raises(mpx.FrameworkVersionError, match="jit_p named 'jit'.*autocast"):
+        autocast(jnp.exp, "mixed_bfloat16")
+    monkeypatch.undo()
+    compat.check_autocast_primitives()
+
+
+def test_a_missing_softmax_flag_is_the_one_version_error(monkeypatch):
+    monkeypatch.delattr(jax, "softmax_custom_jvp")
+    f = autocast(jax.nn.softmax, "params=float32,compute=bfloat16,keep_fp32=none")
+    with pytest.raises(
+        mpx.FrameworkVersionError, match=r"jax.softmax_custom_jvp, which mpx uses for autocast"
+    ):
+        f(rand((2, 3)))
+
+
+def test_a_missing_bind_params_is_the_one_version_error(monkeypatch):
+    from jax.extend.core import Primitive
+
+    monkeypatch.delattr(Primitive, "get_bind_params")
+    with pytest.raises(mpx.FrameworkVersionError, match="Primitive.get_bind_params"):
+        autocast(lambda x: x @ x, "mixed_bfloat16")(rand((2, 2)))
