@@ -62,6 +62,12 @@ def test_messages_and_eager_raise() -> None:
     assert len(texts) == 2
     assert "loss is finite and the gradients overflow at the minimum scale (1)" in texts[0]
     assert "forward loss itself is non-finite" in texts[1]
+    # the one host-side check (mpx.check_stuck) words it: the same text the core gives for that state
+    cfg = mpx.ScalerConfig(init_scale=4.0, min_scale=1.0, max_consecutive_skips=3, on_stuck="warn")
+    for text, loss_finite in zip(texts, (True, False), strict=True):
+        with pytest.warns(mpx.ScalerStuckWarning) as core:
+            mpx.check_stuck(cfg, 1.0, 3, loss_finite)
+        assert text == str(core[0].message)
     ls = mpx_jax.LossScale.create(mpx.ScalerConfig(max_consecutive_skips=2))
     ls = ls.update(False)
     with pytest.raises(mpx.ScalerStuckError, match="not given to the scaler|pass the loss"):
