@@ -110,6 +110,7 @@ def test_trainer_trains_keeps_columns_and_logs_the_unscaled_grad_norm(tmp_path):
     assert [log["loss_scale"] for log in logs] == [256.0] * 12
     assert [log["skipped_steps"] for log in logs] == [0] * 12
     assert model.transformer.h[0].attn.c_attn.weight.dtype == torch.float32
+    assert math.isfinite(trainer.evaluate(_dataset())["eval_loss"])  # evaluation runs under the policy too
 
 
 def test_a_skipped_step_holds_the_parameters_and_the_scheduler(tmp_path):
@@ -175,6 +176,30 @@ def test_resume_from_checkpoint_restores_the_scale(tmp_path):
     )
     from_native.train(resume_from_checkpoint=str(checkpoint))
     assert [log["loss_scale"] for log in _train_logs(from_native) if log["step"] > 2] == [32.0, 32.0]
+
+
+def test_a_peft_model_trains(tmp_path):
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True)
+    model = peft.get_peft_model(_gpt2(), config)
+    seen = []
+    model.get_base_model().register_forward_pre_hook(
+        lambda m, a, kw: seen.append(sorted(kw)), with_kwargs=True
+    )
+    trainer = MPXTrainer(
+        model=model,
+        args=_args(tmp_path, 3),
+        train_dataset=_dataset(),
+        policy="mixed_float16",
+        scaler_config=SMALL,
+    )
+    frozen = model.get_base_model().transformer.h[0].attn.c_attn.base_layer.weight.clone()
+    trainer.train()
+    assert {"attention_mask", "input_ids", "labels"} <= set(seen[0])
+    assert [log["skipped_steps"] for log in _train_logs(trainer)] == [0, 0, 0]
+    lora = [p for name, p in model.named_parameters() if "lora_" in name]
+    assert lora and all(p.dtype == torch.float32 and p.requires_grad for p in lora)
+    assert torch.equal(model.get_base_model().transformer.h[0].attn.c_attn.base_layer.weight, frozen)
 
 
 def test_fp16_or_bf16_arguments_are_errors(tmp_path):
