@@ -47,6 +47,7 @@ import optax
 
 from mpx.accumulation import check_accumulation_steps
 from mpx.errors import MPXError, UnsupportedTypeError
+from mpx.policy import Policy
 from mpx.scaling import ScalerConfig
 from mpx_jax.accumulation import accumulate_step, widen
 from mpx_jax.casting import is_floating_array
@@ -74,7 +75,7 @@ class LossScalingState(NamedTuple):
 
 def with_loss_scaling(
     tx: optax.GradientTransformation,
-    config: ScalerConfig | Mapping[str, Any] | str | None = None,
+    config: ScalerConfig | Policy | Mapping[str, Any] | str | None = None,
     *,
     axis_name: Any = None,
     accumulate: int = 1,
