@@ -42,6 +42,10 @@ __all__ = ["apply_policy", "policy_apply", "step_applied"]
 
 _NNX_CATEGORIES = mpx.categories.resolve_categories("flax.nnx", nnx)
 _LINEN_CATEGORIES = mpx.categories.resolve_categories("flax.linen", nn)
+#: Modules whose op is PASSTHROUGH in the op table (``embedding``): they compute and return in their
+#: parameters' dtype, as ``torch.nn.Embedding`` does under ``torch.autocast``.
+_NNX_PASSTHROUGH: tuple[type, ...] = (nnx.Embed,)
+_LINEN_PASSTHROUGH: tuple[type, ...] = (nn.Embed,)
 
 
 def step_applied(before: Any, after: Any) -> jax.Array:
@@ -83,6 +87,11 @@ def apply_policy(module: nnx.Module, policy: PolicySpec) -> nnx.Module:
       ``MultiHeadAttention``, the norms...) is set to the compute dtype, so the
       module computes (and returns) in it; norms (and your modules marked
       ``mpx_category = "softmax"`` or ``"loss"``) under a mixed preset get float32;
+      ``Embed`` gets the parameter dtype (the op table's ``embedding`` is
+      PASSTHROUGH, as ``torch.nn.Embedding`` under autocast: float32 masters give
+      a float32 residual stream, which also keeps an ``nnx.scan`` carry's dtype
+      fixed when each layer ends in a float32 norm; ``Embed.attend``, a tied
+      output layer, then runs in that dtype too);
     * a ``param_dtype`` attribute is set to the parameter dtype, and every
       floating ``nnx.Param`` is cast to it (``BatchStat`` and other variables
       keep their dtype).
@@ -127,7 +136,8 @@ def apply_policy(module: nnx.Module, policy: PolicySpec) -> nnx.Module:
             modules[tuple(keys)] = sub
             attrs = vars(node)
             if "dtype" in attrs:
-                node.dtype = _jnp_dtype(sub.compute_dtype)
+                own = sub.param_dtype if isinstance(node, _NNX_PASSTHROUGH) else sub.compute_dtype
+                node.dtype = _jnp_dtype(own)
             elif getattr(node, "mpx_category", None) is not None and sub.compute_dtype != pol.compute_dtype:
                 raise mpx.PolicyError(
                     f"{path or type(node).__name__}: mpx_category {category!r} asks for compute dtype "
@@ -160,7 +170,8 @@ def policy_apply(module: nn.Module, policy: PolicySpec) -> Callable[..., Any]:
     root included) is intercepted with ``flax.linen.intercept_methods``: its
     floating arguments are cast to the compute dtype of that submodule's
     policy and, for the duration of the call, its ``dtype`` field is set to
-    it (the root module's own arguments are left as they are, so code in its
+    it (``Embed``'s to the parameter dtype: the op table's ``embedding`` is
+    PASSTHROUGH; the root module's own arguments are left as they are, so code in its
     body, an input normalization for example, runs on the inputs you pass), so ``Dense``/``Conv``/``Embed``/attention compute in the compute dtype
     and the norms in float32 under the mixed presets.  A ``MultiHeadDotProductAttention``
     whose softmax category is kept in float32 gets ``force_fp32_for_softmax``.
@@ -208,7 +219,7 @@ def policy_apply(module: nn.Module, policy: PolicySpec) -> Callable[..., Any]:
         changes: dict[str, Any] = {}
         fields = _fields(mod)
         if "dtype" in fields:
-            changes["dtype"] = compute
+            changes["dtype"] = _jnp_dtype(sub.param_dtype) if isinstance(mod, _LINEN_PASSTHROUGH) else compute
         if "force_fp32_for_softmax" in fields and sub.lowers_precision:
             changes["force_fp32_for_softmax"] = pol.for_module(path, "softmax").compute_dtype == "float32"
         saved = {k: getattr(mod, k) for k in changes}

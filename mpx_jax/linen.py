@@ -58,12 +58,17 @@ class TrainState(train_state.TrainState):
 
     @classmethod
     def create(cls, *, apply_fn: Any, params: Any, tx: Any, **kwargs: Any) -> TrainState:
-        """Flax's ``TrainState.create`` (``step`` 0, ``opt_state = tx.init(params)``).
+        """Flax's ``TrainState.create`` (``opt_state = tx.init(params)``), with ``step`` an int32 array 0.
+
+        Flax's ``step`` starts as the Python int 0, a weakly typed int32 under
+        ``jit``, and an orbax restore brings it back strongly typed, so the first
+        step after a resume compiles again; a strong int32 from the start does not.
 
         Raises:
             mpx.UnsupportedTypeError: when ``tx``'s state holds no mpx loss scale.
         """
         state = super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
+        state = state.replace(step=jnp.zeros((), jnp.int32))
         try:
             get_loss_scale(state.opt_state)
         except mpx.UnsupportedTypeError:
