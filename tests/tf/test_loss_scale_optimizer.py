@@ -377,7 +377,9 @@ def test_bad_inner_optimizers_raise_mpx_errors():
         mpx_tf.LossScaleOptimizer("adam")
     with pytest.raises(mpx.UnsupportedTypeError, match="already a LossScaleOptimizer"):
         mpx_tf.LossScaleOptimizer(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()))
-    with pytest.raises(mpx.MPXError, match="unknown arguments 'init_scale'"):  # Keras's initial_scale is accepted
+    with pytest.raises(
+        mpx.MPXError, match="unknown arguments 'init_scale'"
+    ):  # Keras's initial_scale is accepted
         mpx_tf.LossScaleOptimizer(keras.optimizers.SGD(), init_scale=2.0)
     with pytest.raises(ValueError, match="needs a built optimizer"):
         mpx_tf.LossScaleOptimizer(keras.optimizers.SGD()).apply([tf.ones(2)])
@@ -540,3 +542,38 @@ def test_counters_saturate_and_the_largest_load():
         state = mpx.scaler_update(config, state, False)
         assert opt.state == state
     assert state.steps == m
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.floats(2.0**-126, 3.4e38).map(lambda x: float(np.float32(x))).filter(lambda x: x >= 2.0**-126),
+    st.one_of(st.floats(1.0, 2.0**32, exclude_min=True), st.sampled_from([1.1, 1.333333412806193, 3.0])),
+    st.one_of(st.floats(2.0**-32, 1.0, exclude_max=True), st.sampled_from([0.9, 0.8, 0.3])),
+    st.sampled_from([None, 2.0**-126, 0.5]),
+    st.sampled_from([None, 1e38]),
+)
+def test_keras_ops_scale_product_matches_core(init, gf, bf, lo, hi):
+    """The backend-neutral scale step (mpx_tf._scale_bits on keras.ops, what Keras on any backend can use)
+    and TensorFlow's ops (what the optimizer uses) both give the core's growth and backoff, bit for bit."""
+    from mpx_tf._scale_bits import KERAS_OPS, next_scale
+    from mpx_tf.loss_scale_optimizer import _TF_OPS
+
+    lo = None if lo is not None and init < lo else lo
+    hi = None if hi is not None and init > hi else hi
+    config = mpx.ScalerConfig(
+        init_scale=init, growth_factor=gf, backoff_factor=bf, growth_interval=1, min_scale=lo, max_scale=hi
+    )
+    state = mpx.scaler_init(config)
+    scale = tf.constant(np.float32(init))
+    yes, no = tf.constant(True), tf.constant(False)
+    for ops in (KERAS_OPS, _TF_OPS):
+        grown = next_scale(config, scale, yes, yes, no, ops)
+        backed = next_scale(config, scale, no, no, yes, ops)
+        assert (
+            np.float32(grown.numpy()).tobytes()
+            == np.float32(mpx.scaler_update(config, state, True).scale).tobytes()
+        )
+        assert (
+            np.float32(backed.numpy()).tobytes()
+            == np.float32(mpx.scaler_update(config, state, False).scale).tobytes()
+        )
