@@ -37,10 +37,10 @@ __all__ = [
     "check_optimizer",
     "child_layers",
     "dtype_policy_parse_name",
-    "is_functional",
-    "missing",
     "get_keras_mask",
+    "is_functional",
     "keras_history_operation",
+    "missing",
     "name_scope_stack",
     "optimizer_member",
     "set_dtype_policy_parse_name",
@@ -66,15 +66,22 @@ def _module_attribute(framework: str, module: str, name: str, used_for: str) -> 
         raise missing(framework, f"{module}.{name}", used_for) from None
 
 
+def _qualified_name(owner: Any) -> str:
+    """``tensorflow`` for a module, ``keras.src...DTypePolicy`` for a class or an instance of it."""
+    if inspect.ismodule(owner):
+        return owner.__name__
+    cls = owner if isinstance(owner, type) else type(owner)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
 def _attribute(framework: str, owner: Any, path: str, used_for: str) -> Any:
+    """``owner.<path>`` (a dotted path of attributes); :func:`missing` names ``owner`` and ``path``."""
     obj = owner
     for part in path.split("."):
         try:
             obj = getattr(obj, part)
         except AttributeError:
-            where = owner if isinstance(owner, type) or inspect.ismodule(owner) else type(owner)
-            raise missing(framework, f"{where.__module__}.{where.__qualname__}.{path}"
-                          if isinstance(where, type) else f"{where.__name__}.{path}", used_for) from None  # fmt: skip
+            raise missing(framework, f"{_qualified_name(owner)}.{path}", used_for) from None
     return obj
 
 
