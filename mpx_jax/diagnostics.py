@@ -129,7 +129,19 @@ class _Interpreter:
             self.sites.append(_site(eqn, bad[0], prefix))
 
 
-def find_nonfinite(fn: Callable[..., Any], *args: Any, log: bool = True, **kwargs: Any) -> NonfiniteReport:
+def _scale_of(scaler: Any) -> float | None:
+    """The loss scale of a :class:`mpx_jax.LossScale` (or anything with ``get_scale()``), a number or a
+    0-d array, as a float; None for None."""
+    if scaler is None:
+        return None
+    if hasattr(scaler, "get_scale"):
+        return float(scaler.get_scale())
+    return check_scale(np.asarray(jax.device_get(getattr(scaler, "loss_scale", scaler))))
+
+
+def find_nonfinite(
+    fn: Callable[..., Any], *args: Any, log: bool = True, scaler: Any = None, **kwargs: Any
+) -> NonfiniteReport:
     """Run ``fn(*args, **kwargs)`` equation by equation and name the first that made a non-finite value.
 
     ``fn`` is any JAX-traceable function: a loss, ``jax.grad(loss)`` (its
@@ -142,9 +154,14 @@ def find_nonfinite(fn: Callable[..., Any], *args: Any, log: bool = True, **kwarg
     or ``"<primitive>, backward"``.  Loops (``scan``, ``while``) and ``cond``
     run as one equation.  The evaluation is eager and slow (one host read per
     equation): use it on the failing step, not every step.  Logs one line.
+    ``scaler`` (keyword, as ``watch``'s in the other backends: a
+    :class:`mpx_jax.LossScale`, a number or a 0-d array; default None) puts
+    the loss scale of the step in the report.  ``log`` and ``scaler`` are
+    find_nonfinite's own keywords; every other keyword goes to ``fn``.
     """
     if not callable(fn):
         raise DiagnosticsError(f"fn: expected a callable, got {type(fn).__name__}")
+    scale = _scale_of(scaler)
     closed = jax.make_jaxpr(lambda *a: fn(*a, **kwargs))(*args)
     flat = jax.tree_util.tree_leaves(args)
     interp = _Interpreter()
@@ -156,7 +173,7 @@ def find_nonfinite(fn: Callable[..., Any], *args: Any, log: bool = True, **kwarg
                                               int(np.isnan(x).sum()), int(np.isinf(x).sum()), str(leaf.dtype),
                                               None, f"argument {jax.tree_util.keystr(path)}"))  # fmt: skip
     interp.run(closed.jaxpr, list(closed.consts), flat)
-    return nonfinite_report("jax", interp.sites, checked=interp.checked, log=log)
+    return nonfinite_report("jax", interp.sites, checked=interp.checked, scale=scale, log=log)
 
 
 def _names_and_leaves(grads: Any) -> tuple[list[str], list[Any]]:
@@ -198,8 +215,7 @@ def underflow_stats(grads: Any, scale: Any, *, compute_dtype: Any = "float16", s
     one transfer (counts are held as float32: exact to 2**24 elements per leaf).
     See :mod:`mpx.diagnostics` for the definitions and the advice.
     """
-    raw = getattr(scale, "loss_scale", scale)
-    value = check_scale(np.asarray(jax.device_get(raw)))
+    value = check_scale(scale) if scale is None else _scale_of(scale)
     compute = canonical_dtype(compute_dtype, field="compute_dtype")
     names, leaves = _names_and_leaves(grads)
     if not leaves:

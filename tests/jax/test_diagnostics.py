@@ -122,3 +122,25 @@ def test_underflow_with_loss_scale():
     assert report.scale == 1024.0
     assert (layer.zero_fraction, layer.subnormal_fraction, layer.lost_fraction) == (3 / 8, 2 / 8, 2 / 8)
     assert "too low" in report.advice
+
+
+def test_find_nonfinite_takes_the_scaler_keyword_like_watch():
+    ls = mpx_jax.LossScale.create(mpx.ScalerConfig(init_scale=2.0**10))
+    for scaler, want in ((ls, 1024.0), (512.0, 512.0), (jnp.float32(8.0), 8.0), (None, None)):
+        report = mpx_jax.find_nonfinite(lambda x: jnp.log(x), jnp.array([0.0, -1.0]), scaler=scaler, log=False)
+        assert report.scale == want and report.first.detail == "log, forward"
+    with pytest.raises(mpx.diagnostics.DiagnosticsError, match="scale: expected a positive"):
+        mpx_jax.find_nonfinite(jnp.exp, jnp.ones(2), scaler=-1.0, log=False)
+    grads = {"w": jnp.full((4,), 2.0**-20)}
+    by_object = mpx_jax.underflow_stats(grads, ls, scaled=False, log=False)
+    assert by_object.scale == 1024.0
+    assert by_object == mpx_jax.underflow_stats(grads, 1024.0, scaled=False, log=False)
+
+
+def test_source_lines_and_bind_need_their_jax_internals(monkeypatch):
+    """Mutation: find_nonfinite reaches JAX's source info only through mpx_jax._compat."""
+    from jax._src import source_info_util
+
+    monkeypatch.delattr(source_info_util, "summarize")
+    with pytest.raises(mpx.FrameworkVersionError, match="source_info_util.summarize.*find_nonfinite"):
+        mpx_jax.find_nonfinite(lambda x: jnp.log(x), jnp.array([-1.0]), log=False)
