@@ -186,7 +186,9 @@ def _names_and_leaves(grads: Any) -> tuple[list[str], list[Any]]:
     return names, leaves
 
 
-def _counts(leaves: Iterable[jax.Array], scale: jax.Array, compute: Any, tiny: float, scaled: bool) -> jax.Array:
+def _counts(
+    leaves: Iterable[jax.Array], scale: jax.Array, compute: Any, tiny: float, scaled: bool
+) -> jax.Array:
     rows = []
     for g in leaves:
         s = g.astype(jnp.float32)
@@ -220,8 +222,12 @@ def underflow_stats(grads: Any, scale: Any, *, compute_dtype: Any = "float16", s
     names, leaves = _names_and_leaves(grads)
     if not leaves:
         return build_underflow_report("jax", [], [], [], scale=value, compute_dtype=compute, log=log)
-    jdt = {"float16": jnp.float16, "bfloat16": jnp.bfloat16, "float32": jnp.float32, "float64": jnp.float64}[compute]
+    jdt = {"float16": jnp.float16, "bfloat16": jnp.bfloat16, "float32": jnp.float32, "float64": jnp.float64}[
+        compute
+    ]
     tiny = dtype_info(compute).smallest_normal
-    counts = np.asarray(jax.device_get(_counts_jit(leaves, jnp.float32(value), jdt, tiny, scaled)))  # one transfer
+    counts = np.asarray(
+        jax.device_get(_counts_jit(leaves, jnp.float32(value), jdt, tiny, scaled))
+    )  # one transfer
     return build_underflow_report("jax", names, [int(np.size(x)) for x in leaves], counts, scale=value,
                                   compute_dtype=compute, log=log)  # fmt: skip

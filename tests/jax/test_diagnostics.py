@@ -127,7 +127,9 @@ def test_underflow_with_loss_scale():
 def test_find_nonfinite_takes_the_scaler_keyword_like_watch():
     ls = mpx_jax.LossScale.create(mpx.ScalerConfig(init_scale=2.0**10))
     for scaler, want in ((ls, 1024.0), (512.0, 512.0), (jnp.float32(8.0), 8.0), (None, None)):
-        report = mpx_jax.find_nonfinite(lambda x: jnp.log(x), jnp.array([0.0, -1.0]), scaler=scaler, log=False)
+        report = mpx_jax.find_nonfinite(
+            lambda x: jnp.log(x), jnp.array([0.0, -1.0]), scaler=scaler, log=False
+        )
         assert report.scale == want and report.first.detail == "log, forward"
     with pytest.raises(mpx.diagnostics.DiagnosticsError, match="scale: expected a positive"):
         mpx_jax.find_nonfinite(jnp.exp, jnp.ones(2), scaler=-1.0, log=False)
