@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -36,9 +37,12 @@ from flax import nnx
 import mpx
 import mpx.categories
 from mpx.policy import PolicySpec
+from mpx.versions import require_version
 from mpx_jax.casting import cast_to_output, cast_tree, is_floating_array
 
-__all__ = ["apply_policy", "policy_apply", "step_applied"]
+require_version("flax", flax.__version__)  # mpx_jax.nnx and mpx_jax.linen import this module
+
+__all__ = ["apply_policy", "float32_softmax_attention", "policy_apply", "step_applied"]
 
 _NNX_CATEGORIES = mpx.categories.resolve_categories("flax.nnx", nnx)
 _LINEN_CATEGORIES = mpx.categories.resolve_categories("flax.linen", nn)
@@ -78,6 +82,76 @@ def _path(keys: tuple[Any, ...]) -> str:
 
 
 # -- NNX ------------------------------------------------------------------------------
+def float32_softmax_attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    bias: jax.Array | None = None,
+    mask: jax.Array | None = None,
+    broadcast_dropout: bool = True,
+    dropout_rng: jax.Array | None = None,
+    dropout_rate: float = 0.0,
+    deterministic: bool = False,
+    dtype: Any = None,
+    precision: Any = None,
+    module: nnx.Module | None = None,
+    promote_dtype: Callable[..., Any] | None = None,
+    is_causal: bool = False,
+) -> jax.Array:
+    """``nnx.dot_product_attention`` with its softmax in float32 (the op table's softmax is FLOAT32).
+
+    The two matmuls (queries with keys, weights with values) run in the
+    computation dtype; the logits are cast to float32 before the bias, the mask
+    (masked logits get float32's lowest value) and the softmax; the weights
+    (sown as ``attention_weights`` when ``module`` is given) and the dropout are
+    float32, then cast back for the second matmul.  Arguments are
+    ``nnx.dot_product_attention``'s; grouped-query attention (fewer key/value
+    heads) repeats the key and value heads as Flax does.  :func:`apply_policy`
+    sets it as the ``attention_fn`` of every ``nnx.MultiHeadAttention`` that uses
+    Flax's default and whose softmax the policy keeps in float32 (NNX has no
+    float32-softmax switch; linen's is ``force_fp32_for_softmax``).
+    """
+    promote = promote_dtype or _flax_promote_dtype
+    query, key, value = promote((query, key, value), dtype=dtype)
+    dtype = query.dtype
+    heads = query.shape[-2]
+    for name in ("key", "value"):
+        arr = key if name == "key" else value
+        if heads % arr.shape[-2]:
+            raise ValueError(
+                f"{name}: query heads ({heads}) must be a multiple of {name} heads ({arr.shape[-2]})."
+            )
+    key = jnp.repeat(key, heads // key.shape[-2], axis=-2)
+    value = jnp.repeat(value, heads // value.shape[-2], axis=-2)
+    query = query / jnp.sqrt(query.shape[-1]).astype(dtype)
+    logits = jnp.einsum("...qhd,...khd->...hqk", query, key, precision=precision).astype(jnp.float32)
+    if bias is not None:
+        logits = logits + bias.astype(jnp.float32)
+    if mask is not None or is_causal:
+        masks = [mask] if mask is not None else []
+        if is_causal:
+            causal = jnp.tril(jnp.ones(logits.shape[-2:], jnp.bool_))
+            masks.append(jnp.broadcast_to(causal, mask.shape if mask is not None else logits.shape))
+        combined = nnx.combine_masks(*masks, dtype=jnp.bool_)
+        logits = jnp.where(combined, logits, jnp.finfo(jnp.float32).min)
+    weights = jax.nn.softmax(logits)
+    if module is not None:
+        module.sow(nnx.Intermediate, "attention_weights", weights)
+    if not deterministic and dropout_rate > 0.0:
+        keep_prob = 1.0 - dropout_rate
+        shape = (*(1,) * (key.ndim - 2), *weights.shape[-2:]) if broadcast_dropout else weights.shape
+        keep = jax.random.bernoulli(dropout_rng, keep_prob, shape)
+        weights = weights * (keep.astype(jnp.float32) / jnp.float32(keep_prob))
+    return jnp.einsum("...hqk,...khd->...qhd", weights.astype(dtype), value, precision=precision)
+
+
+def _flax_promote_dtype(arrays: tuple[Any, ...], *, dtype: Any = None) -> tuple[Any, ...]:
+    """Flax's default ``promote_dtype``: every array in ``dtype``, or in their common dtype when None."""
+    if dtype is None:
+        dtype = jnp.result_type(*arrays)
+    return tuple(jnp.asarray(x, dtype) for x in arrays)
+
+
 def apply_policy(module: nnx.Module, policy: PolicySpec) -> nnx.Module:
     """Apply ``policy`` to an NNX module in place and return it.
 
@@ -104,10 +178,13 @@ def apply_policy(module: nnx.Module, policy: PolicySpec) -> nnx.Module:
     ``nnx.scan`` over them in ``__call__``) and ``nnx.remat`` work: the
     stacked module is one module whose parameters have a leading layer axis.
 
+    An ``nnx.MultiHeadAttention`` using Flax's default ``attention_fn`` gets
+    :func:`float32_softmax_attention` when its softmax is kept in float32 (the
+    mixed presets): matmuls in the compute dtype, softmax in float32.  A custom
+    ``attention_fn`` is left as it is.
+
     The module's outputs are not cast: use :func:`mpx_jax.cast_to_output` on
-    them.  Attention weights in ``nnx.MultiHeadAttention`` follow its dtype
-    (NNX has no float32-softmax switch); give the attention module's path a
-    float32 override to keep them in float32.
+    them.
 
     Warns:
         mpx.SlowPolicyWarning: once per process, when the compute dtype is
@@ -147,6 +224,14 @@ def apply_policy(module: nnx.Module, policy: PolicySpec) -> nnx.Module:
                 )
             if "param_dtype" in attrs:
                 node.param_dtype = _jnp_dtype(sub.param_dtype)
+            if isinstance(node, nnx.MultiHeadAttention):
+                softmax32 = (
+                    sub.lowers_precision and pol.for_module(path, "softmax").compute_dtype == "float32"
+                )
+                if softmax32 and node.attention_fn is nnx.dot_product_attention:
+                    node.attention_fn = float32_softmax_attention
+                elif not softmax32 and node.attention_fn is float32_softmax_attention:
+                    node.attention_fn = nnx.dot_product_attention
         elif isinstance(node, nnx.Param):
             params.append((tuple(keys), node))
     for keys, var in params:

@@ -2,6 +2,7 @@ import os
 import re
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import jax
@@ -12,7 +13,7 @@ import mpx
 
 nnx = pytest.importorskip("flax.nnx")
 nn = pytest.importorskip("flax.linen")
-from mpx_jax.flax import apply_policy, policy_apply  # noqa: E402
+from mpx_jax.flax import apply_policy, float32_softmax_attention, policy_apply  # noqa: E402
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 
@@ -357,3 +358,43 @@ def test_doc_example_runs(name):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert DOC_OUTPUT[name] in proc.stdout
+
+
+# -- NNX attention: the softmax in float32 -------------------------------------------------------------------
+def test_nnx_attention_gets_a_float32_softmax_under_mixed_policies():
+    model = apply_policy(Net(nnx.Rngs(0)), "mixed_bfloat16")
+    assert model.attn.attention_fn is float32_softmax_attention
+    jaxpr = jax.make_jaxpr(lambda x: model.attn(x))(jnp.ones((1, 4, 8), F32))
+    eqns = [e for e, _ in walk(jaxpr.jaxpr)]
+    assert {str(e.outvars[0].aval.dtype) for e in eqns if e.primitive.name == "exp"} == {"float32"}
+    assert in_dtypes([e for e in eqns if e.primitive.name == "dot_general"]) == {"bfloat16"}
+    assert model.attn(jnp.ones((1, 4, 8), F32)).dtype == BF16
+    assert apply_policy(model, "mixed_bfloat16,keep_fp32=none").attn.attention_fn is nnx.dot_product_attention
+    custom = Net(nnx.Rngs(0))
+    custom.attn.attention_fn = mine = partial(nnx.dot_product_attention)
+    assert apply_policy(custom, "mixed_bfloat16").attn.attention_fn is mine
+
+
+def in_dtypes(eqns):
+    return {str(v.aval.dtype) for e in eqns for v in e.invars if hasattr(v.aval, "dtype")}
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_float32_softmax_attention_computes_flax_attention(kv_heads, dropout):
+    keys = jax.random.split(jax.random.PRNGKey(0), 4)
+    q = jax.random.normal(keys[0], (2, 5, 4, 8))
+    k = jax.random.normal(keys[1], (2, 7, kv_heads, 8))
+    v = jax.random.normal(keys[2], (2, 7, kv_heads, 8))
+    mask = jax.random.bernoulli(keys[3], 0.7, (2, 1, 5, 7))
+    bias = jnp.linspace(-1.0, 1.0, 35).reshape(1, 1, 5, 7)
+    kwargs = dict(bias=bias, mask=mask, dropout_rng=jax.random.PRNGKey(9), dropout_rate=dropout)
+    # without dropout Flax runs jax.nn.dot_product_attention, with dropout its own weights and the same mask bits
+    want = nnx.dot_product_attention(q, k, v, **kwargs)
+    got = float32_softmax_attention(q, k, v, **kwargs)
+    assert got.dtype == F32
+    assert jnp.allclose(got, want, atol=1e-5, rtol=1e-5)
+    causal = float32_softmax_attention(q[:, :, :, :], k[:, :5], v[:, :5], is_causal=True)
+    assert jnp.allclose(causal, nnx.dot_product_attention(q, k[:, :5], v[:, :5], is_causal=True), atol=1e-5)
+    half = float32_softmax_attention(q.astype(BF16), k.astype(BF16), v.astype(BF16), **kwargs)
+    assert half.dtype == BF16

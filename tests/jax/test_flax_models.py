@@ -18,6 +18,7 @@ import pytest
 
 import mpx
 import mpx_jax
+import mpx_jax.flax
 
 nnx = pytest.importorskip("flax.nnx")
 nn = pytest.importorskip("flax.linen")
@@ -164,6 +165,9 @@ def test_gpt_op_table_inside_scan_and_remat(policy):
     forward = jax.make_jaxpr(lambda s: nnx.merge(graphdef, s)(TOKENS[:, :-1]))(state)
     layer_sums = [e for e, ctx in walk(forward.jaxpr) if "scan" in ctx and e.primitive.name == "reduce_sum"]
     assert layer_sums and in_dtypes(layer_sums) == {"float32"}  # both LayerNorms' statistics
+    exps = [e for e, ctx in walk(forward.jaxpr) if "scan" in ctx and e.primitive.name == "exp"]
+    assert exps and {str(e.outvars[0].aval.dtype) for e in exps} == {"float32"}  # the attention softmax
+    assert model.blocks.mha.attention_fn is mpx_jax.flax.float32_softmax_attention
     # the parameters stay float32 masters, the stacked layers keep their layer axis
     assert model.blocks.linear1.kernel.shape == (LAYERS, EMBED, FF)
     assert {p.dtype for p in jax.tree_util.tree_leaves(nnx.state(model, nnx.Param))} == {jnp.dtype("float32")}
