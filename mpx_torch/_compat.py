@@ -45,6 +45,7 @@ __all__ = [
     "norm_base",
     "sparse_values",
     "step_supports_amp_scaling",
+    "tensor_version",
 ]
 
 _MISSING = object()
@@ -104,6 +105,12 @@ def step_supports_amp_scaling(optimizer: torch.optim.Optimizer) -> bool:
     ``torch.amp.GradScaler.step``.
     """
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+def tensor_version(tensor: torch.Tensor) -> int:
+    """``Tensor._version``: the counter of in-place changes (prepare recomputes no activation that changes its
+    inputs in place)."""
+    return internal(tensor, "_version", "torch.Tensor._version", "recomputing float32 activations in backward")
 
 
 def sparse_values(grad: torch.Tensor) -> torch.Tensor:

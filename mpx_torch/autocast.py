@@ -43,7 +43,7 @@ from mpx import (
     warn_if_slow,
     widest_dtype,
 )
-from mpx_torch import _compat
+from mpx_torch import _compat, _recompute
 from mpx_torch._compile import compiling as _compiling
 from mpx_torch._ops import FUNCTIONS, PROMOTE_EXCEPT_HALF_MIX, RUNNING_STATS
 
@@ -191,7 +191,11 @@ def _floating(args: Iterable[Any]) -> Iterable[torch.Tensor]:
 
 
 def _up(t: torch.Tensor) -> torch.dtype | None:
-    return torch.float32 if t.dtype in _HALF else None
+    if t.dtype in _HALF:
+        if not _compiling():
+            _recompute.count_upcast()
+        return torch.float32
+    return None
 
 
 def _call_cast(
@@ -226,11 +230,24 @@ def _call_cast(
     return out
 
 
-def _float32_handler(devices: tuple[str, ...] | None) -> _Handler:
-    """Half-precision inputs cast to float32 (float64 stays); autocast off where torch would lower."""
+def _recompute_autocast_off() -> _no_autocast:
+    return _no_autocast(candidate_device_types())
+
+
+def _float32_handler(devices: tuple[str, ...] | None, recompute: bool = False) -> _Handler:
+    """Half-precision inputs cast to float32 (float64 stays); autocast off where torch would lower.
+
+    ``recompute``: with grad on, such an op saves its half inputs, not their float32 upcasts, and
+    recomputes in backward (:mod:`mpx_torch._recompute`; bit-identical values, fewer saved bytes).
+    """
     tensor, half, f32, dtype = torch.Tensor, _HALF, torch.float32, torch.dtype
 
     def handler(func: Callable, args: tuple, kwargs: dict) -> Any:
+        if recompute and not _compiling() and not _leave_alone(args, kwargs):
+            out = _recompute.call(func, args, kwargs, _recompute_autocast_off)
+            if out is not None:
+                _recompute.count_upcast()
+                return out
         if devices is None and not kwargs and func not in RUNNING_STATS:
             # the common case (x.sum(), torch.softmax(x, -1)...): positional tensors only
             new = []
@@ -238,6 +255,8 @@ def _float32_handler(devices: tuple[str, ...] | None) -> _Handler:
                 if isinstance(a, tensor):
                     if a.dtype in half:
                         a = a.to(f32)
+                        if not _compiling():
+                            _recompute.count_upcast()
                 elif type(a) is dtype or (isinstance(a, (list, tuple)) and a and isinstance(a[0], tensor)):
                     break
                 new.append(a)
@@ -321,7 +340,9 @@ def _check_table(table: OpTable) -> None:
 
 
 @functools.lru_cache(maxsize=256)
-def _lowering_table(policy: Policy, table: OpTable, devices: tuple[str, ...]) -> dict[Callable, _Handler]:
+def _lowering_table(
+    policy: Policy, table: OpTable, devices: tuple[str, ...], recompute: bool = True
+) -> dict[Callable, _Handler]:
     """func -> handler for a half-precision policy, where the policy's class differs from torch's."""
     _check_table(table)
     compute = _TORCH_DTYPES[policy.compute_dtype]
@@ -332,7 +353,8 @@ def _lowering_table(policy: Policy, table: OpTable, devices: tuple[str, ...]) ->
             if cls is native:
                 continue
             if cls is OpClass.FLOAT32:
-                handler = _float32_handler(devices if native is OpClass.LOWER else None)
+                saves_half = recompute and op in _recompute.RECOMPUTED and func not in RUNNING_STATS
+                handler = _float32_handler(devices if native is OpClass.LOWER else None, saves_half)
             elif cls is OpClass.LOWER:
                 handler = _lower_handler(compute, devices, input_only=func in RUNNING_STATS)
             elif cls is OpClass.PROMOTE:
@@ -344,15 +366,17 @@ def _lowering_table(policy: Policy, table: OpTable, devices: tuple[str, ...]) ->
 
 
 @functools.lru_cache(maxsize=64)
-def _float32_table(table: OpTable) -> dict[Callable, _Handler]:
+def _float32_table(table: OpTable, recompute: bool = True) -> dict[Callable, _Handler]:
     """func -> handler inside a float32 region nested in a lowering one: half inputs computed in float32."""
     _check_table(table)
-    handler = _float32_handler(None)  # autocast is off in the whole region
+    plain = _float32_handler(None)  # autocast is off in the whole region
+    saving = _float32_handler(None, recompute=True)
     out: dict[Callable, _Handler] = {}
     for op in table:
         if table[op] in (OpClass.LOWER, OpClass.FLOAT32):
+            saves_half = recompute and table[op] is OpClass.FLOAT32 and op in _recompute.RECOMPUTED
             for func, _ in FUNCTIONS[op]:
-                out[func] = handler
+                out[func] = saving if saves_half and func not in RUNNING_STATS else plain
     return out
 
 
@@ -393,6 +417,12 @@ class autocast(contextlib.ContextDecorator):
         op_table: the op table to enforce (default :data:`mpx.OP_TABLE`); a copy
             made with ``OP_TABLE.replace(...)`` reclassifies ops.
         cache_enabled: passed to ``torch.autocast`` (None: torch's default).
+        recompute: True (the default): a FLOAT32 op of half inputs that needs
+            them in backward (softmax, the norms, the losses, pow, exp...) saves
+            the half inputs, not their float32 upcasts (nor its float32 output),
+            and recomputes the op in backward: the same values and gradients
+            bit for bit, about native autocast's saved bytes
+            (:mod:`mpx_torch._recompute`; second derivatives work too).
 
     Under a policy whose compute dtype is float16 or bfloat16, FLOAT32 ops
     (softmax, log_softmax, the norms, the losses, exp, log, pow, sum, mean,
@@ -424,6 +454,7 @@ class autocast(contextlib.ContextDecorator):
         *,
         op_table: OpTable | None = None,
         cache_enabled: bool | None = None,
+        recompute: bool = True,
     ) -> None:
         self.policy = get_policy(policy)
         self.device_types = _device_types(device_type)
@@ -437,6 +468,9 @@ class autocast(contextlib.ContextDecorator):
             raise MPXError(f"op_table: expected an mpx.OpTable or None, got {type(op_table).__name__}")
         self.op_table = op_table
         self.cache_enabled = cache_enabled
+        if not isinstance(recompute, bool):
+            raise MPXError(f"recompute: expected True or False, got {recompute!r}")
+        self.recompute = recompute
         self._table = self._build_table()
         self._region = False  # prepare: a float32 policy computes half inputs in float32 even when alone
         self._frames: list[tuple | None] = []
@@ -445,9 +479,10 @@ class autocast(contextlib.ContextDecorator):
         lowering, float32 = _lowering_table, _float32_table
         if _compiling():  # dynamo traces the builders themselves (it ignores lru_cache, with a warning)
             lowering, float32 = lowering.__wrapped__, float32.__wrapped__  # type: ignore[attr-defined]
+        recompute = getattr(self, "recompute", True)  # (autocast objects pickled before recompute existed)
         if self.policy.lowers_precision:
-            return lowering(self.policy, self.op_table, self.device_types)
-        return float32(self.op_table)
+            return lowering(self.policy, self.op_table, self.device_types, recompute)
+        return float32(self.op_table, recompute)
 
     def __getstate__(self) -> dict[str, Any]:  # handlers are closures: rebuilt on unpickling
         return {k: v for k, v in self.__dict__.items() if k not in ("_table", "_frames")}

@@ -29,6 +29,7 @@ from mpx import (
     widest_dtype,
 )
 from mpx_torch import _compat
+from mpx_torch._recompute import RecomputedForward
 from mpx_torch.autocast import _HALF, autocast, to_torch_dtype
 
 __all__ = ["module_category", "prepare", "prepared_policy"]
@@ -88,9 +89,12 @@ class _PolicyHooks:
         device_type: str | Sequence[str] | None,
         op_table: OpTable | None,
         region: bool,
+        cast_inputs: bool = True,
+        recompute: bool = True,
     ) -> None:
         self.policy = policy
-        self._context = autocast(policy, device_type, op_table=op_table)
+        self.cast_inputs = cast_inputs and not policy.lowers_precision
+        self._context = autocast(policy, device_type, op_table=op_table, recompute=recompute)
         # a float32 region of its own (a submodule, or a root with half overrides) computes half inputs
         # in float32 even outside any autocast; a plain float32 root stays a no-op
         self._context._region = region
@@ -101,7 +105,7 @@ class _PolicyHooks:
 
     def enter(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         changed = None
-        if not self.policy.lowers_precision:
+        if self.cast_inputs:
             args = _cast_tree(args, self._compute, _HALF)
             if kwargs:
                 kwargs = _cast_tree(kwargs, self._compute, _HALF)
@@ -156,6 +160,28 @@ def _unwrap(module: nn.Module) -> None:
     if isinstance(hooks, _PolicyHooks):
         for handle in hooks.handles:
             handle.remove()
+    if isinstance(module.__dict__.get("forward"), RecomputedForward):
+        del module.__dict__["forward"]
+
+
+#: torch.nn modules whose forward is one op of the table on their inputs: their float32 region casts
+#: nothing up front; the op casts its half inputs and saves them, not their upcasts (mpx_torch._recompute)
+_ONE_OP: tuple[type, ...] = (
+    nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.Softmax, nn.LogSoftmax, nn.CrossEntropyLoss, nn.NLLLoss,
+    nn.MSELoss, nn.BCEWithLogitsLoss,
+)  # fmt: skip
+
+
+def _recomputable(module: nn.Module) -> bool:
+    """A parameter-free leaf module from outside torch.nn (a model library's activation): its float32
+    compute, if any, is redone in backward (:class:`mpx_torch._recompute.RecomputedForward`)."""
+    return (
+        not type(module).__module__.startswith("torch.")
+        and next(module.children(), None) is None
+        and next(module.parameters(), None) is None
+        and next(module.buffers(), None) is None
+        and "forward" not in module.__dict__
+    )
 
 
 def _store(module: nn.Module, param_dtype: torch.dtype, buffer_dtype: torch.dtype) -> None:
@@ -177,6 +203,7 @@ def prepare(
     *,
     device_type: str | Sequence[str] | None = None,
     op_table: OpTable | None = None,
+    recompute: bool = True,
 ) -> nn.Module:
     """Put ``module`` under ``policy``, in place, and return it.
 
@@ -195,6 +222,18 @@ def prepare(
       ``nn.LogSoftmax``, ...) and loss modules compute in float32 with their
       half-precision inputs cast up.  Path overrides (``"@head={float32}"``)
       work the same way.
+    * ``recompute`` (default True) keeps the activation memory at native
+      autocast's while those float32 computations stay bit for bit as the op
+      table says: a float32 op of half inputs saves the half inputs for
+      backward, not their float32 upcasts, and is recomputed there
+      (:class:`mpx_torch.autocast`'s ``recompute``); torch's one-op modules
+      (``nn.LayerNorm``, ``nn.GroupNorm``, ``nn.RMSNorm``, ``nn.Softmax``,
+      ``nn.LogSoftmax`` and the table's losses) let their op cast the inputs;
+      and a parameter-free module from outside ``torch.nn`` (a model
+      library's activation, e.g. GPT-2's NewGELU, whose ``pow`` computes in
+      float32 and promotes what follows) that casts a half input up runs under
+      non-reentrant ``torch.utils.checkpoint``: only its inputs are saved.
+      ``recompute=False`` keeps what autograd saves for the float32 ops.
     * The outputs of ``module`` (and of every such submodule) are cast to its
       ``output_dtype``: floating tensors of 16 and 32 bits, in nested tuples,
       lists and dicts; float64 outputs are left as computed.  Inputs of the
@@ -207,7 +246,10 @@ def prepare(
     post-hook with ``always_call=True``.  So the region covers every call of the
     module (``module(...)``), not a direct call of ``module.forward(...)``;
     forward pre-hooks registered by others run inside it and see the inputs
-    after the cast up, and forward hooks see the outputs after the cast.
+    after the cast up (torch's one-op modules above: as given), and forward
+    hooks see the outputs after the cast.  (The activations recomputed in
+    backward are the exception: their ``forward`` is an object whose
+    ``__wrapped__`` is the class's method.)
     Wrapping a prepared model (PEFT's ``get_peft_model``, DDP, FSDP) and
     preparing a wrapped one both work.  Calling ``prepare`` again replaces the
     previous policy.  Under ``torch.compile`` a prepared model gives the graphs
@@ -253,10 +295,13 @@ def prepare(
         _store(sub, to_torch_dtype(own.param_dtype), to_torch_dtype(buffers))
         if wraps:
             region = sub is not module or any(rule.policy.lowers_precision for rule in own.rules())
-            hooks = _PolicyHooks(own, device_type, op_table, region)
+            cast_inputs = not recompute or type(sub) not in _ONE_OP
+            hooks = _PolicyHooks(own, device_type, op_table, region, cast_inputs, recompute)
             hooks.handles = (
                 sub.register_forward_pre_hook(hooks.enter, prepend=True, with_kwargs=True),
                 sub.register_forward_hook(hooks.exit, prepend=True, always_call=True),
             )
             sub.__dict__[_ATTRIBUTE] = hooks
+        elif recompute and own.lowers_precision and _recomputable(sub):
+            sub.forward = RecomputedForward(sub, autocast(own, device_type, op_table=op_table))
     return module

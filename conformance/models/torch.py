@@ -342,7 +342,8 @@ def saved_profile(model: nn.Module, fn: Callable[..., Any], batch: dict) -> list
     saved: list[torch.Tensor] = []
     producers = _Producers()
     with _saved(model, saved), producers:
-        fn(**batch).loss.backward()
+        loss = fn(**batch).loss
+    loss.backward()  # outside the hooks: what a recompute saves in backward is not forward's
     rows: dict[tuple[str, str], list[int]] = {}
     seen: set[int] = set()
     for t in saved:

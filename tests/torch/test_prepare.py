@@ -12,6 +12,8 @@ from torch import nn
 import mpx
 import mpx_torch
 
+F32 = torch.float32
+
 NAMES = {
     torch.float16: "float16",
     torch.bfloat16: "bfloat16",
@@ -229,17 +231,28 @@ def test_region_follows_the_hooks_and_keyword_inputs_are_cast_up():
     def keep(key, value):  # hooks return None: they only look
         seen[key] = value
 
-    model = mpx_torch.prepare(Keywords(), "mixed_bfloat16")
-    model.ln.register_forward_pre_hook(lambda mod, args: keep("ln_in", args[0].dtype))
-    model.register_forward_pre_hook(
-        lambda mod, args, kwargs: keep("autocast", torch.is_autocast_enabled("cpu")), with_kwargs=True
-    )
-    model.fc.register_forward_hook(lambda mod, args, out: keep("fc_out", out.dtype))
-    model(input_ids=torch.randn(2, 4))
-    assert seen == {"autocast": True, "fc_out": torch.bfloat16, "ln_in": torch.float32}
-    assert not torch.is_autocast_enabled("cpu")
+    for recompute, ln_in in ((False, torch.float32), (True, torch.bfloat16)):
+        model = mpx_torch.prepare(Keywords(), "mixed_bfloat16", recompute=recompute)
+        model.ln.register_forward_pre_hook(lambda mod, args: keep("ln_in", args[0].dtype))
+        model.ln.register_forward_hook(lambda mod, args, out: keep("ln_out", out.dtype))
+        model.register_forward_pre_hook(
+            lambda mod, args, kwargs: keep("autocast", torch.is_autocast_enabled("cpu")), with_kwargs=True
+        )
+        model.fc.register_forward_hook(lambda mod, args, out: keep("fc_out", out.dtype))
+        model(input_ids=torch.randn(2, 4))
+        # LayerNorm's region casts its input up front, or (recompute) lets F.layer_norm cast it
+        assert seen == {"autocast": True, "fc_out": torch.bfloat16, "ln_in": ln_in, "ln_out": torch.float32}
+        assert not torch.is_autocast_enabled("cpu")
     norm = mpx_torch.prepare(nn.LayerNorm(4), "mixed_bfloat16")
     assert norm(input=torch.randn(2, 4, dtype=torch.bfloat16)).dtype == torch.float32
+
+    class Custom(nn.Module):  # not one of torch's one-op modules: its region casts keyword inputs up
+        mpx_category = "normalization"
+
+        def forward(self, x):
+            return x * 2
+
+    assert mpx_torch.prepare(Custom(), "mixed_bfloat16")(x=torch.ones(2, dtype=torch.bfloat16)).dtype == F32
 
 
 def test_a_forward_that_raises_leaves_no_region_behind():
