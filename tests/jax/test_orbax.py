@@ -156,6 +156,18 @@ def test_checkpoint_manager_async_saves(tmp_path):
     assert (
         saved_loss_scales(tmp_path / "run" / "3" / "default")["['opt_state'].loss_scale"].state == expected[3]
     )
+    with ocp.CheckpointManager(tmp_path / "run") as fresh:  # a new run: orbax finds mpx's handler by itself
+        assert fresh.restore(3)["opt_state"]["loss_scale"].state == expected[3]
+
+
+def test_composite_items(tmp_path):
+    item = optax_state()
+    with ocp.CheckpointManager(tmp_path / "run", item_names=("state", "meta")) as mngr:
+        mngr.save(0, args=ocp.args.Composite(state=StandardSave(item), meta=ocp.args.JsonSave({"epoch": 1})))
+        mngr.wait_until_finished()
+        back = mngr.restore(0, args=ocp.args.Composite(state=StandardRestore(), meta=ocp.args.JsonRestore()))
+    want = mpx_jax.get_loss_scale(item["opt_state"]).state_dict()
+    assert back.state["opt_state"]["loss_scale"].state_dict() == want and back.meta == {"epoch": 1}
 
 
 # -- kill -9 during a save ----------------------------------------------------------------------------
