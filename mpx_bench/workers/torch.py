@@ -40,6 +40,32 @@ def info(device: str) -> dict[str, Any]:
                        for i in range(torch.cuda.device_count())]  # fmt: skip
     if dev.type == "cuda":
         out["compute_capability"] = ".".join(map(str, torch.cuda.get_device_capability(dev)))
+    out["hf_activations"] = hf_activations()
+    return out
+
+
+#: The Hugging Face models whose saved-activation bytes every torch bench reports (issue 23), at a
+#: sequence/hidden ratio of real models (GPT-2: 1024 / 768) with 2 blocks, random weights, on the CPU.
+HF_ACTIVATION_MODELS = ("gpt2", "llama")
+HF_ACTIVATION_SHAPE = {"hidden": 128, "seq": 256, "heads": 4, "layers": 2}
+
+
+def hf_activations() -> dict[str, Any]:
+    """Per model of :data:`HF_ACTIVATION_MODELS`: the bytes autograd saves for backward in one forward
+    (saved-tensor hooks, each storage once, parameters excluded) in float32 (``float32_bytes``), under
+    ``torch.autocast`` bfloat16 (``native_bytes``) and prepared under mixed_bfloat16 (``mpx_bytes``), and
+    ``mpx/native``.  Deterministic (counted, not timed).  ``{"skipped": why}`` without transformers."""
+    from conformance.adapters._common import Skip
+    from conformance.models import torch as hf
+
+    out: dict[str, Any] = {"shape": dict(HF_ACTIVATION_SHAPE)}
+    for name in HF_ACTIVATION_MODELS:
+        try:
+            got = hf.activation_bytes(name, **HF_ACTIVATION_SHAPE)
+        except Skip as why:
+            return {"skipped": str(why)}
+        out[name] = {"float32_bytes": got["float32"], "native_bytes": got["native"], "mpx_bytes": got["mpx"],
+                     "mpx/native": round(got["mpx"] / got["native"], 4)}  # fmt: skip
     return out
 
 

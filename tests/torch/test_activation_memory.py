@@ -151,3 +151,14 @@ def test_recomputed_activation_keeps_its_signature_and_pickles():
         assert torch.equal(clone(**batch).logits, model(**batch).logits)
     mpx_torch.prepare(model, "mixed_bfloat16", recompute=False)
     assert "forward" not in act.__dict__
+
+
+def test_bench_worker_reports_gpt2_and_llama():
+    from mpx_bench.workers import torch as worker
+
+    got = worker.hf_activations()
+    assert set(got) == {"shape", *worker.HF_ACTIVATION_MODELS}
+    for name in worker.HF_ACTIVATION_MODELS:
+        row = got[name]
+        assert row["mpx/native"] == round(row["mpx_bytes"] / row["native_bytes"], 4) <= ACTIVATION_RATIO
+        assert row["mpx_bytes"] < row["float32_bytes"]
