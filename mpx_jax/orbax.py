@@ -123,7 +123,9 @@ def _read_entries(custom: Any, directory: Any) -> list[_Saved] | None:
         return None
     entries = custom[METADATA_KEY]
     if not isinstance(entries, Sequence):
-        raise mpx.StateDictError(f"{directory}: {METADATA_KEY}: expected a list, got {type(entries).__name__}")
+        raise mpx.StateDictError(
+            f"{directory}: {METADATA_KEY}: expected a list, got {type(entries).__name__}"
+        )
     out = []
     for entry in entries:
         if not isinstance(entry, Mapping) or not {"path", "where", "state_dict"} <= set(entry):
@@ -156,7 +158,9 @@ def _check_target(saved: list[_Saved] | None, target: Any, directory: Any) -> No
             continue
         diff = config_difference(s.config, ls.config)
         if diff:
-            problems.append(f"{where}: the saved config differs from the target's in {diff} (saved vs target)")
+            problems.append(
+                f"{where}: the saved config differs from the target's in {diff} (saved vs target)"
+            )
     for where in by_where.keys() - wanted.keys():
         problems.append(
             f"{where}: the checkpoint holds an mpx loss scale here, but the target holds no LossScale there, "
@@ -164,7 +168,9 @@ def _check_target(saved: list[_Saved] | None, target: Any, directory: Any) -> No
             "nnx.Optimizer, the TrainState, not nnx.state(...)), or restore without a target"
         )
     if problems:
-        raise mpx.StateDictError(f"{directory}: cannot restore into this target: " + "; ".join(problems) + ".")
+        raise mpx.StateDictError(
+            f"{directory}: cannot restore into this target: " + "; ".join(problems) + "."
+        )
 
 
 def _check_restored(saved: Sequence[_Saved], restored: dict[str, LossScale], directory: Any) -> None:
@@ -252,7 +258,10 @@ class StandardCheckpointHandler(ocp.StandardCheckpointHandler):
         if target is not None:
             _check_target(saved, target, directory)
         plain = ocp.args.StandardRestore(
-            target, strict=args.strict, support_layout=args.support_layout, fallback_sharding=args.fallback_sharding
+            target,
+            strict=args.strict,
+            support_layout=args.support_layout,
+            fallback_sharding=args.fallback_sharding,
         )
         restored = super().restore(directory, args=plain)
         if not saved:
