@@ -23,7 +23,7 @@ from jax import lax
 
 import mpx
 from mpx.ops import OpClass, OpTable
-from mpx_jax._compat import INLINE_CALL_PRIMITIVES, ClosedJaxpr, Jaxpr, Literal, param
+from mpx_jax._compat import INLINE_CALL_PRIMITIVES, ClosedJaxpr, Jaxpr, Literal, function_name, param
 
 __all__ = ["FLOAT32_PRIMITIVES", "NAMED", "PRIMITIVE_OPS", "Rules", "float32_islands"]
 
@@ -132,15 +132,7 @@ def has_subjaxpr(params: dict[str, Any]) -> bool:
 
 def func_name(eqn: Any) -> str | None:
     """The name JAX kept on a call equation (``jax.nn.softmax`` -> ``"softmax"``), or None."""
-    name = eqn.params.get("name")
-    if isinstance(name, str):
-        return name
-    call = eqn.params.get("call_jaxpr")
-    info = getattr(getattr(call, "jaxpr", call), "debug_info", None)
-    src = getattr(info, "func_src_info", None) or getattr(info, "func_name", None)
-    if isinstance(src, str) and src:
-        return src.split(" at ", 1)[0].strip()
-    return None
+    return function_name(eqn)
 
 
 def is_weak_var(v: Any) -> bool:

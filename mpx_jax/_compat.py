@@ -29,6 +29,7 @@ __all__ = [
     "bind_params",
     "check_autocast_primitives",
     "eqn_context_manager",
+    "function_name",
     "name_scopes",
     "param",
     "softmax_custom_jvp",
@@ -216,3 +217,22 @@ def summarize_source(source_info: Any) -> str:
 def softmax_custom_jvp(enabled: bool) -> Any:
     """``jax.softmax_custom_jvp(enabled)``: a context in which ``jax.nn.softmax`` traces as a named call."""
     return _attr(jax, "softmax_custom_jvp", "jax.softmax_custom_jvp", "autocast of softmax by name")(enabled)
+
+
+def function_name(eqn: Any) -> str | None:
+    """The name JAX kept on a call equation: ``jit``'s ``name`` parameter, or the function a
+    ``custom_jvp``/``custom_vjp`` body was traced from (``call_jaxpr.jaxpr.debug_info.func_src_info``,
+    ``"_softmax at .../functions.py:614"`` -> ``"_softmax"``); None for an anonymous one."""
+    name = eqn.params.get("name")
+    if isinstance(name, str):
+        return name
+    call = eqn.params.get("call_jaxpr")
+    if call is None:
+        return None
+    used_for = "autocast's classes of named functions (jax.nn.softmax...)"
+    jaxpr = call.jaxpr if isinstance(call, ClosedJaxpr) else call
+    info = _attr(jaxpr, "debug_info", "Jaxpr.debug_info", used_for)
+    if info is None:
+        return None
+    src = _attr(info, "func_src_info", "DebugInfo.func_src_info", used_for)
+    return src.split(" at ", 1)[0].strip() if isinstance(src, str) and src else None

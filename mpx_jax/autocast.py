@@ -58,21 +58,26 @@ Named activations (``jax.nn.silu``, ``relu``, ``gelu``, ``elu``...) are
 PASSTHROUGH at their boundary (their result has their input's dtype) and
 follow the op table inside: silu's ``logistic`` runs in float32.
 
-**The float32 a function makes itself stays float32.**  Values created
-inside ``fn`` from nothing the caller passed in (``jnp.arange(n,
-dtype=jnp.float32)`` positions, frequencies computed from them, constants,
-floats converted from integers, random bits), and everything computed from
-them alone, are float32 islands: their equations run exactly as traced, a
-matmul or einsum of them is not lowered and a named function of them is not
-reclassified.  keras-hub's rotary embedding computes ``einsum("bi,j->bij",
-positions, inverse_freq)`` this way: lowered to bfloat16 it loses long-context
-positions (max error 2.8 at 2048 positions, against 0.008 for Keras's own
-``mixed_bfloat16``).  Where an island meets a value the caller passed in,
-the op table applies as usual.  An explicit upcast (``x.astype(jnp.float32)``)
-of a value the trace holds in half precision (half inputs, or the function's
-own downcast) is a ``convert_element_type`` in the jaxpr: FLOAT32 and
-elementwise work after it is float32 already, and a LOWER op still lowers it
-(traced at float32, such an upcast is a no-op JAX does not record).
+**The authors' float32 stays float32.**  Two kinds of values start a
+float32 island: float32 that ``fn`` makes from nothing the caller passed in
+(``jnp.arange(n, dtype=jnp.float32)`` positions, frequencies computed from
+them, constants and numpy arrays it builds, floats converted from integers,
+random bits), and an explicit upcast, ``x.astype(jnp.float32)``, of a value
+the trace holds in half precision.  Everything computed from islands alone is
+an island: its equations run at their traced dtypes, a matmul or einsum of
+them is not lowered and a named function of them is not reclassified (a
+FLOAT32 op's result still stays float32).  keras-hub's rotary embedding
+computes ``einsum("bi,j->bij", positions, inverse_freq)`` this way: lowered
+to bfloat16 it loses long-context positions (max error 7.4 at 2048 positions
+against 0.029 for Keras's own ``mixed_bfloat16``; kept in float32, 0.014).
+Where an island meets a value the caller passed in (a parameter, an input,
+a ``jax.Array`` the function closes over), the op table applies as usual.
+The trace is taken at the dtypes of the arguments, so an upcast of a value
+that is float32 there (a float32 input) is a no-op JAX does not record and
+starts no island; it does when the caller passes half-precision values.
+(Tracing at the compute dtype instead would show those upcasts, but also
+every cast a framework inserts, such as a Keras float32 layer casting its
+inputs to float32, which would keep every layer out of the policy.)
 
 **A nested float32 autocast forces float32**, like ``torch.autocast(
 enabled=False)`` and mpx_torch's float32 policy inside a mixed one:
