@@ -1,4 +1,8 @@
 import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -19,3 +23,34 @@ def pytest_generate_tests(metafunc):
                 pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason="no CUDA device")),
             ],
         )
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def example(name: str) -> str:
+    """The ```python block whose first line is `# readme-example: NAME`, from README.md or docs/."""
+    for path in (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))):
+        for block in re.findall(r"```python\n(.*?)```", path.read_text(), re.S):
+            if block.splitlines()[0].strip() == f"# readme-example: {name}":
+                return block
+    raise AssertionError(f"no ```python block marked '# readme-example: {name}' in README.md or docs/")
+
+
+@pytest.fixture
+def run_example(tmp_path):
+    """``run_example(NAME)``: run the example block NAME (README.md or docs/) in a fresh interpreter, from the
+    repository root; returns its stdout, failing with its output when it exits non-zero.  The time bound only
+    catches a hang."""
+
+    def run(name: str) -> str:
+        # a file, not -c (torch.multiprocessing.spawn re-imports __main__), named so it shadows no module
+        script = tmp_path / f"example_{name.replace('-', '_')}.py"
+        script.write_text(example(name))
+        out = subprocess.run(
+            [sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=1800
+        )
+        assert out.returncode == 0, f"{name}:\n{out.stdout}\n{out.stderr}"
+        return out.stdout
+
+    return run

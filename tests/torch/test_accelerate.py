@@ -1,11 +1,9 @@
 """mpx_torch.accelerate.attach with a real accelerate.Accelerator (CPU)."""
 
 import copy
-import importlib.util
 import math
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -178,24 +176,9 @@ def test_half_parameters_warn_when_upcast():
     assert {p.dtype for p in model.parameters()} == {torch.float32}
 
 
-def _run_docs_example(name, tmp_path):
-    """Run docs/integrations.md's block marked ``# readme-example: NAME`` in a fresh interpreter; its stdout."""
-    spec = importlib.util.spec_from_file_location(
-        "_torch_readme_examples", Path(__file__).with_name("test_readme.py")
-    )
-    readme = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(readme)
-    script = tmp_path / "example.py"
-    script.write_text(readme.example(name))
-    out = subprocess.run(
-        [sys.executable, str(script)], cwd=readme.ROOT, capture_output=True, text=True, timeout=600
-    )
-    assert out.returncode == 0, out.stderr
-    return out.stdout
 
-
-def test_the_docs_example_runs(tmp_path):
-    lines = _run_docs_example("torch-accelerate", tmp_path).splitlines()
+def test_the_docs_example_runs(run_example):
+    lines = run_example("torch-accelerate").splitlines()
     assert len(lines) == 4 and all(line.startswith("norm ") for line in lines)
 
 

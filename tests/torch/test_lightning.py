@@ -1,12 +1,8 @@
 """mpx_torch.lightning: MPXPrecision in a real Lightning Trainer, MPXFabricPrecision in a real Fabric (CPU)."""
 
 import copy
-import importlib.util
 import math
-import subprocess
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 
@@ -264,25 +260,10 @@ def test_fabric_skips_clips_unscaled_and_saves(tmp_path):
     assert restored.scaler.state == plugin.scaler.state
 
 
-def _run_docs_example(name, tmp_path):
-    """Run docs/integrations.md's block marked ``# readme-example: NAME`` in a fresh interpreter; its stdout."""
-    spec = importlib.util.spec_from_file_location(
-        "_torch_readme_examples", Path(__file__).with_name("test_readme.py")
-    )
-    readme = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(readme)
-    script = tmp_path / "example.py"
-    script.write_text(readme.example(name))
-    out = subprocess.run(
-        [sys.executable, str(script)], cwd=readme.ROOT, capture_output=True, text=True, timeout=600
-    )
-    assert out.returncode == 0, out.stderr
-    return out.stdout
 
-
-def test_the_docs_examples_run(tmp_path):
-    assert _run_docs_example("torch-lightning", tmp_path).splitlines()[-1] == "16-mixed 4 4"
-    assert _run_docs_example("torch-fabric", tmp_path).splitlines()[-1] == "16-mixed 4"
+def test_the_docs_examples_run(run_example):
+    assert run_example("torch-lightning").splitlines()[-1] == "16-mixed 4 4"
+    assert run_example("torch-fabric").splitlines()[-1] == "16-mixed 4"
 
 
 def test_a_missing_lightning_internal_is_one_clear_error(monkeypatch):
