@@ -48,8 +48,8 @@ MIXED_SCOPE = "mpx_autocast"
 #: reductions): by rule they run at their traced dtypes, as PROMOTE would give them
 _COMBINERS = frozenset(
     {
-        "scatter", "scatter-add", "scatter_add", "scatter_mul", "scatter_min", "scatter_max", "scatter_sub",
-        "reduce", "reduce_window", "select_and_scatter", "argsort",
+        "scatter", "scatter-add", "scatter-mul", "scatter-min", "scatter-max", "scatter-sub",
+        "reduce", "reduce_window", "select_and_scatter",
     }
 )  # fmt: skip
 

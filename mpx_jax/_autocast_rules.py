@@ -62,6 +62,8 @@ FLOAT32_PRIMITIVES = frozenset(
     }
 )  # fmt: skip
 LOWERABLE = frozenset({"dot_general", "conv_general_dilated"})
+#: primitives the rules above name that jax.extend.core.primitives does not export (not version-checked)
+UNEXPORTED = frozenset({"ragged_dot_general"})
 #: names JAX keeps on jit/custom_jvp calls -> canonical op (None: an activation, PASSTHROUGH).
 NAMED: dict[str, str | None] = {
     "softmax": "softmax",
@@ -91,17 +93,20 @@ NAMED: dict[str, str | None] = {
 HALF = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
 F32 = np.dtype(np.float32)
 #: structural primitives whose result is as weak as their inputs (a cast or broadcast of a scalar constant)
-WEAK_KEEPING = frozenset(
-    {"convert_element_type", "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "copy"}
-)
+WEAK_KEEPING = frozenset({"convert_element_type", "broadcast_in_dim", "reshape", "squeeze", "copy"})
 #: elementwise and structural primitives: a float32 result stays "computed in float32" through them, and
 #: they run in float32 themselves when every value they make feeds float32 work (float32_fed)
 ELEMENTWISE = frozenset(
     {
         "add", "sub", "mul", "div", "neg", "sqrt", "abs", "max", "min", "sign", "square", "integer_pow",
-        "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "select_n", "copy", "transpose",
+        "broadcast_in_dim", "reshape", "squeeze", "select_n", "copy", "transpose",
     }
 )  # fmt: skip
+
+
+def rule_primitives() -> frozenset[str]:
+    """Every primitive name the rules match on (checked against this JAX when autocast is built)."""
+    return (PRIMITIVE_OPS.keys() | FLOAT32_PRIMITIVES | LOWERABLE | ELEMENTWISE | WEAK_KEEPING) - UNEXPORTED
 
 
 def is_float(dtype: Any) -> bool:

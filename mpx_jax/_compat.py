@@ -12,6 +12,7 @@ what mpx needs it for.  No fallback changes behaviour silently.
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterable
 from typing import Any
 
 import jax
@@ -160,16 +161,22 @@ AUTOCAST_PRIMITIVES: dict[str, str] = {
 }
 
 
-def check_autocast_primitives() -> None:
+def check_autocast_primitives(names: Iterable[str] = ()) -> None:
     """Check that every primitive autocast matches by name still has that name in this JAX.
 
-    A renamed primitive (``pjit`` became ``jit`` in jax 0.7) would otherwise silently fall out of the
-    op table: autocast would run it at its traced dtypes.
+    The primitives of :data:`AUTOCAST_PRIMITIVES` are checked against their ``jax.extend.core.primitives``
+    attribute, and each of ``names`` (the op rules' tables) must be the name of one of those primitives.
+    A renamed primitive (``pjit`` became ``jit`` in jax 0.7) would otherwise silently fall out of the op
+    table: autocast would run it at its traced dtypes.
     """
+    used_for = "autocast's op rules"
     for name, attr in AUTOCAST_PRIMITIVES.items():
         prim = getattr(_primitives, attr, None)
         if getattr(prim, "name", None) != name:
-            raise _missing(f"jax.extend.core.primitives.{attr} named {name!r}", "autocast's op rules")
+            raise _missing(f"jax.extend.core.primitives.{attr} named {name!r}", used_for)
+    known = {getattr(getattr(_primitives, a), "name", None) for a in dir(_primitives) if a.endswith("_p")}
+    for name in sorted(set(names) - known):
+        raise _missing(f"a primitive named {name!r} in jax.extend.core.primitives", used_for)
 
 
 def param(eqn: Any, key: str) -> Any:

@@ -136,7 +136,7 @@ from mpx_jax._autocast_interpreter import (
     AutocastFallbackWarning,
     Interpreter,
 )
-from mpx_jax._autocast_rules import PRIMITIVE_OPS, Rules
+from mpx_jax._autocast_rules import PRIMITIVE_OPS, Rules, rule_primitives
 from mpx_jax._compat import check_autocast_primitives, softmax_custom_jvp
 
 __all__ = ["PRIMITIVE_OPS", "AutocastError", "AutocastFallbackWarning", "autocast"]
@@ -186,7 +186,7 @@ def autocast(
         )
     if not isinstance(strict, bool):
         raise mpx.MPXError(f"strict: expected True or False, got {type(strict).__name__}")
-    check_autocast_primitives()
+    check_autocast_primitives(rule_primitives())
     mpx.warn_if_slow("jax", pol, jax.default_backend(), stacklevel=3)
     if not pol.lowers_precision:
 

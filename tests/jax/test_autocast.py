@@ -418,6 +418,11 @@ def test_a_renamed_primitive_is_the_one_version_error(monkeypatch):
         autocast(jnp.exp, "mixed_bfloat16")
     monkeypatch.undo()
     compat.check_autocast_primitives()
+    # a primitive of the op rules' tables (logistic runs in float32) renamed away
+    Renamed.name = "sigmoid"
+    monkeypatch.setattr(primitives, "logistic_p", Renamed())
+    with pytest.raises(mpx.FrameworkVersionError, match="a primitive named 'logistic'.*op rules"):
+        autocast(jax.nn.silu, "mixed_bfloat16")
 
 
 def test_a_missing_softmax_flag_is_the_one_version_error(monkeypatch):
