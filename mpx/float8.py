@@ -37,7 +37,9 @@ Scaling (:func:`float8_update`), per tensor, Transformer Engine's convention
       window); under ``current`` scaling a non-finite amax gives scale 1.0 (TE's
       ``Float8CurrentScaling``);
     * when ``fp8_max / amax`` overflows float32 the scale is the largest finite
-      float32 (TE's ceiling);
+      float32 (TE's ceiling); when it falls below float32's smallest normal
+      (a huge amax or margin) the scale is that smallest normal, whose inverse
+      is finite (mpx's floor);
     * ``power_of_two=True`` rounds every scale down to a power of two (exact
       inverse; torchao's rowwise recipe does the same);
     * a step the loss scaler skips commits no amax and no scale
@@ -110,6 +112,7 @@ FP8_OPS = ("linear", "matmul", "einsum")
 #: The amax floor of ``current`` scaling (torchao's ``EPS``).
 CURRENT_AMAX_FLOOR = 1e-12
 _F32_MAX = float(np.finfo(np.float32).max)
+_F32_TINY = float(np.finfo(np.float32).tiny)
 _RECIPE_FORMATS = ("hybrid", "e4m3")
 _SCALINGS = ("delayed", "current")
 _AMAX_COMPUTE = ("max", "most_recent")
@@ -239,8 +242,9 @@ def compute_scale(recipe: Float8Recipe, amax: float, fmt: str, previous: float =
     # float64, then one rounding to float32; ldexp divides by 2**margin exactly (no overflow for any margin)
     value = math.ldexp(fp8_max(fmt) / amax, -recipe.margin)
     scale = _F32_MAX if value >= _F32_MAX else float(np.float32(value))
-    if scale == 0.0:  # an amax so large the scale underflows float32: the smallest normal keeps it invertible
-        scale = float(np.finfo(np.float32).tiny)
+    if scale < _F32_TINY:  # zero or subnormal (a huge amax or margin): its float32 inverse would overflow
+        scale = _F32_TINY  # the smallest normal float32 keeps it invertible
+
     return _round_down_pow2(scale) if recipe.power_of_two else scale
 
 

@@ -43,6 +43,7 @@ __all__ = [
     "internal",
     "loss_base",
     "norm_base",
+    "scaled_mm",
     "sparse_values",
     "step_supports_amp_scaling",
     "tensor_version",
@@ -116,6 +117,11 @@ def tensor_version(tensor: torch.Tensor) -> int:
 def sparse_values(grad: torch.Tensor) -> torch.Tensor:
     """The values of a sparse COO gradient, uncoalesced (``Tensor._values()``, as torch's GradScaler)."""
     return internal(grad, "_values", "torch.Tensor._values", "unscaling sparse gradients")()
+
+
+def scaled_mm() -> Callable[..., torch.Tensor]:
+    """``torch._scaled_mm``: the FP8 GEMM ``(a @ b) * scale_a * scale_b`` (mpx_torch.float8, ``gemm="scaled_mm"``)."""
+    return internal(torch, "_scaled_mm", "torch._scaled_mm", "FP8 GEMMs (mpx_torch.float8, gemm='scaled_mm')")
 
 
 # -- dynamo ----------------------------------------------------------------------------------------------

@@ -231,5 +231,15 @@ def test_margin_divides_exactly_and_never_overflows(margin):
     r = Float8Recipe(margin=margin)
     got = compute_scale(r, 3.0, "e4m3")
     exact = (448.0 / 3.0) / 2.0**margin if margin < 1024 else 0.0  # 2.0**1024 overflows a Python float
-    expected = float(np.float32(exact)) or float(np.finfo(np.float32).tiny)  # an underflow: the smallest normal
+    # an underflow: the smallest normal
+    expected = float(np.float32(exact)) or float(np.finfo(np.float32).tiny)
     assert got == expected
+
+
+def test_a_subnormal_scale_is_floored_at_the_smallest_normal():
+    tiny = float(np.finfo(np.float32).tiny)
+    r = Float8Recipe(margin=150)
+    assert compute_scale(r, 0.25, "e4m3") == tiny  # 1792 * 2**-150 is a float32 subnormal: 1/it overflows
+    assert compute_scale(Float8Recipe(margin=150, power_of_two=True), 0.25, "e4m3") == tiny
+    assert math.isfinite(scale_inv(compute_scale(r, 0.25, "e4m3")))
+    assert compute_scale(Float8Recipe(margin=120), 0.25, "e4m3") == float(np.float32(1792.0 * 2.0**-120))

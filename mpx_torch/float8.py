@@ -1,0 +1,395 @@
+"""FP8 GEMMs for PyTorch: the core's recipe (:mod:`mpx.float8`) on ``nn.Linear`` modules.
+
+:func:`convert` turns every ``nn.Linear`` whose policy has an ``fp8`` recipe
+(``mixed_bfloat16,fp8=hybrid``; overrides such as ``@head={fp8=none}`` keep
+modules out) into a :class:`Float8Linear`, in place: the same object, the same
+parameters (an optimizer built earlier stays valid), hooks kept, plus its FP8
+state in buffers that ``state_dict()`` saves.  Its forward quantizes the input
+and the weight to e4m3 and runs one FP8 GEMM; its backward quantizes the
+gradient (e5m2 under ``hybrid``) and runs both backward GEMMs in FP8.  GEMMs go
+through ``torch._scaled_mm`` on CUDA devices that support FP8 and are emulated
+exactly elsewhere (FP8 operands dequantized to float32, a float32 GEMM).
+
+Under delayed scaling (Transformer Engine's lag) step t quantizes with the
+scales computed from the amaxes of steps <= t-1: the amaxes a step observes
+(forward and backward, max-combined over micro-batches and repeated calls) are
+committed by :func:`commit` once per optimizer step, and not on a step the
+loss scaler skips:
+
+>>> import torch, mpx_torch
+>>> from mpx_torch import float8
+>>> model = float8.convert(torch.nn.Sequential(torch.nn.Linear(16, 16)), "mixed_bfloat16,fp8=hybrid,fp8_history=4")
+>>> type(model[0]).__name__, model[0].fp8_scale.tolist()
+('Float8Linear', [1.0, 1.0, 1.0])
+>>> x = torch.full((2, 16), 2.0)
+>>> model(x).sum().backward()
+>>> float8.commit(model)            # after optimizer.step(); with a GradScaler: commit(model, scaler)
+>>> model[0].fp8_scale[0].item()    # the input's scale for the next step: 448 / 2
+224.0
+>>> float8.float8_state_dict(model)["tensors"]["0.input"]["amax_history"]
+[2.0, 0.0, 0.0, 0.0]
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from mpx import (
+    Float8Recipe,
+    MPXError,
+    OpTable,
+    PolicySpec,
+    StateDictError,
+    UnsupportedTypeError,
+    get_policy,
+)
+from mpx.float8 import FLOAT8_FORMAT, ROLES, Float8State, TensorScale, fp8_max
+from mpx.float8 import float8_state_dict as _core_state_dict
+from mpx.float8 import load_float8_state_dict as _core_load
+from mpx_torch import _float8_ops
+from mpx_torch._float8_ops import current_scales, delayed_scales
+from mpx_torch._float8_ops import quantize as quantize
+from mpx_torch.prepare import module_category
+
+__all__ = [
+    "GEMMS",
+    "Float8Linear",
+    "commit",
+    "convert",
+    "float8_modules",
+    "float8_state_dict",
+    "load_float8_state_dict",
+    "quantize",
+]
+
+#: ``convert``'s ``gemm=`` choices: ``auto`` (``torch._scaled_mm`` on a CUDA device that runs it,
+#: else the emulation), ``scaled_mm`` (always, the CPU's slow reference kernel included) and ``emulate``.
+GEMMS = ("auto", "scaled_mm", "emulate")
+_INPUT, _WEIGHT, _GRAD = range(3)
+
+
+class Float8Linear(nn.Linear):
+    """An ``nn.Linear`` whose three GEMMs run in FP8 (made by :func:`convert`, never constructed directly).
+
+    Buffers (in ``state_dict()``; rows ``input``, ``weight``, ``grad``):
+    ``fp8_scale`` (3,) float32, the scales the next step quantizes with
+    (multiply; the GEMM uses the inverse) and ``fp8_amax_history`` (3, L)
+    float32, most recent first (L = ``amax_history_len`` under delayed scaling,
+    0 under current scaling).  ``fp8_amax`` (3,), not saved, holds the amaxes
+    observed since the last :func:`commit` (-1: none).  ``fp8_recipe`` and
+    ``fp8_gemm`` are plain attributes.
+
+    The result has the autocast dtype when autocast is on for the input's
+    device (a prepared model's compute dtype), else the input's dtype.
+    """
+
+    fp8_recipe: Float8Recipe
+    fp8_gemm: str
+    _fp8_grad: tuple[str, float]
+    fp8_scale: torch.Tensor
+    fp8_amax_history: torch.Tensor
+    fp8_amax: torch.Tensor
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        recipe = self.fp8_recipe
+        device_type = input.device.type
+        if torch.is_autocast_enabled(device_type):
+            out_dtype = torch.get_autocast_dtype(device_type)
+        else:
+            out_dtype = input.dtype
+        pending = self.fp8_amax
+        amaxes = torch.stack([input.detach().abs().amax(), self.weight.detach().abs().amax()]).to(
+            torch.float32
+        )
+        pending[:2].copy_(torch.maximum(pending[:2], amaxes))
+        if recipe.scaling == "current":
+            scales = current_scales(amaxes, 448.0, recipe.margin, recipe.power_of_two)
+            x_scale, w_scale = scales[0], scales[1]
+        else:
+            x_scale, w_scale = self.fp8_scale[_INPUT], self.fp8_scale[_WEIGHT]
+        grad_fmt, grad_max = self._fp8_grad
+        config = (
+            grad_fmt,
+            self.fp8_gemm == "scaled_mm",
+            out_dtype,
+            recipe.scaling == "current",
+            grad_max,
+            recipe.margin,
+            recipe.power_of_two,
+        )
+        return _float8_ops.Float8LinearFunction.apply(
+            input,
+            self.weight,
+            self.bias,
+            x_scale,
+            w_scale,
+            self.fp8_scale[_GRAD],
+            pending[_GRAD:],
+            config,
+        )
+
+    @torch.no_grad()
+    def _fp8_commit(self, skipped: torch.Tensor) -> None:
+        """One step of :func:`mpx.float8.float8_update` for this module's three tensors, in tensor ops."""
+        recipe = self.fp8_recipe
+        pending, scale = self.fp8_amax, self.fp8_scale
+        observed = (pending >= 0.0) | torch.isnan(pending)
+        apply = observed & ~skipped
+        maxima = torch.tensor(
+            [fp8_max(recipe.format_of(role)) for role in ROLES], dtype=torch.float64, device=scale.device
+        )
+        if recipe.scaling == "current":
+            new = current_scales(pending, maxima, recipe.margin, recipe.power_of_two)
+        else:
+            history = self.fp8_amax_history
+            record = apply & torch.isfinite(pending)
+            rolled = torch.cat([pending[:, None], history[:, :-1]], dim=1)
+            history.copy_(torch.where(record[:, None], rolled, history))
+            window = history[:, 0] if recipe.amax_compute == "most_recent" else history.amax(dim=1)
+            new = delayed_scales(window, maxima, recipe.margin, recipe.power_of_two, scale)
+        scale.copy_(torch.where(apply, new, scale))
+        pending.fill_(-1.0)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, fp8={self.fp8_recipe}, gemm={self.fp8_gemm}"
+
+
+def _drop_buffers(module: nn.Module) -> None:
+    own = {name for name, _ in module.named_buffers(recurse=False)}
+    for name in ("fp8_scale", "fp8_amax_history", "fp8_amax"):
+        if name in own:
+            delattr(module, name)
+
+
+def _init_state(module: Float8Linear, recipe: Float8Recipe) -> None:
+    device = module.weight.device
+    length = recipe.amax_history_len if recipe.scaling == "delayed" else 0
+    _drop_buffers(module)
+    module.register_buffer("fp8_scale", torch.ones(3, dtype=torch.float32, device=device))
+    module.register_buffer("fp8_amax_history", torch.zeros(3, length, dtype=torch.float32, device=device))
+    module.register_buffer(
+        "fp8_amax", torch.full((3,), -1.0, dtype=torch.float32, device=device), persistent=False
+    )
+    module.fp8_recipe = recipe
+    grad_fmt = recipe.format_of("grad")
+    # constants the forward reads (dynamo traces no ml_dtypes)
+    module._fp8_grad = (grad_fmt, fp8_max(grad_fmt))
+
+
+def _revert(module: Float8Linear) -> None:
+    _drop_buffers(module)
+    for name in ("fp8_recipe", "fp8_gemm", "_fp8_grad"):
+        module.__dict__.pop(name, None)
+    module.__class__ = nn.Linear
+
+
+def convert(
+    model: nn.Module,
+    policy: PolicySpec,
+    *,
+    op_table: OpTable | None = None,
+    gemm: str = "auto",
+) -> nn.Module:
+    """Run the ``nn.Linear`` modules of ``model`` whose policy has FP8 as :class:`Float8Linear`, in place.
+
+    A module at ``path`` gets FP8 when ``policy.for_module(path, category)``
+    has an ``fp8`` recipe and classifies ``linear`` LOWER (``op_table``, default
+    :data:`mpx.OP_TABLE`); so ``@head={fp8=none}`` (the parent policy without
+    FP8) keeps ``head`` in the compute dtype.  Only modules whose class is
+    exactly ``nn.Linear`` are converted (a subclass may compute differently).
+    The module object, its parameters and its hooks stay; its class becomes
+    :class:`Float8Linear` and it gains fresh FP8 state (scale 1.0, a zero
+    history).  Calling ``convert`` again keeps the state of modules whose
+    recipe is unchanged, re-initializes the others, and turns modules whose
+    policy no longer has FP8 back into ``nn.Linear``.  Convert after moving
+    the model to its device (``gemm="auto"`` looks at the weight's device).
+
+    ``convert`` does not set dtypes: use it with :func:`mpx_torch.prepare`
+    (either order), whose autocast region gives each FP8 GEMM its output dtype.
+
+    Args:
+        gemm: one of :data:`GEMMS` (default ``"auto"``).
+
+    Raises:
+        mpx.UnsupportedTypeError: for a ``model`` that is not a ``torch.nn.Module``.
+        mpx.PolicyError: for a bad policy spec; mpx.MPXError for a bad ``gemm``.
+    """
+    if not isinstance(model, nn.Module):
+        raise UnsupportedTypeError(
+            f"model: expected a torch.nn.Module, got {type(model).__name__}; "
+            "mpx_torch.float8.convert changes a model's nn.Linear modules in place."
+        )
+    if gemm not in GEMMS:
+        raise MPXError(f"gemm: {gemm!r} is not allowed; allowed: {', '.join(GEMMS)}")
+    root = get_policy(policy)
+    for path, sub in model.named_modules():
+        if type(sub) is not nn.Linear and not isinstance(sub, Float8Linear):
+            continue
+        own = root.for_module(path, module_category(sub))
+        recipe = own.fp8 if own.fp8_applies("linear", op_table) else None
+        if recipe is None:
+            if isinstance(sub, Float8Linear):
+                _revert(sub)
+            continue
+        if not isinstance(sub, Float8Linear) or sub.fp8_recipe != recipe:
+            sub.__class__ = Float8Linear
+            _init_state(sub, recipe)  # type: ignore[arg-type]
+        if gemm == "auto":
+            sub.fp8_gemm = "scaled_mm" if _float8_ops.scaled_mm_available(sub.weight.device) else "emulate"
+        else:
+            sub.fp8_gemm = gemm
+    return model
+
+
+def float8_modules(model: nn.Module) -> Iterator[tuple[str, Float8Linear]]:
+    """``(path, module)`` for every :class:`Float8Linear` in ``model`` (shared modules once)."""
+    for path, sub in model.named_modules():
+        if isinstance(sub, Float8Linear):
+            yield path, sub
+
+
+def _skip_flag(skipped: Any, device: torch.device) -> torch.Tensor:
+    """The skip decision as a bool scalar tensor on ``device`` (no host sync for tensors and scalers)."""
+    from mpx_torch.grad_scaler import GradScaler
+
+    if isinstance(skipped, GradScaler):
+        tensors = getattr(
+            skipped, "_tensors", None
+        )  # the scaler's device state (None before its first scale)
+        if tensors is None or not skipped.is_enabled() or not skipped.config.skip_nonfinite:
+            return torch.zeros((), dtype=torch.bool, device=device)
+        # after update(): the step was skipped iff it was not finite (consecutive_nonfinite counts it)
+        return (tensors.consecutive_nonfinite > 0).to(device)
+    if isinstance(skipped, torch.Tensor):
+        if skipped.numel() != 1 or skipped.requires_grad:
+            raise UnsupportedTypeError(
+                "skipped: expected a one-element tensor (nonzero: the step was skipped, as a found_inf flag)."
+            )
+        return (skipped.reshape(()) != 0).to(device)
+    if isinstance(skipped, bool):
+        return torch.tensor(skipped, device=device)
+    raise UnsupportedTypeError(
+        f"skipped: expected a bool, a one-element tensor or an mpx_torch.GradScaler, got {type(skipped).__name__}."
+    )
+
+
+#: per GradScaler, per model id: the scaler's step count at the model's last commit
+_SCALER_STEPS: weakref.WeakKeyDictionary[Any, dict[int, int]] = weakref.WeakKeyDictionary()
+
+
+def commit(model: nn.Module, skipped: Any = False) -> None:
+    """Commit the amaxes ``model``'s FP8 modules observed since the last commit: once per optimizer step.
+
+    Each :class:`Float8Linear` moves one step of :func:`mpx.float8.float8_update`:
+    delayed scaling records each finite amax and computes the scales the next
+    step quantizes with; current scaling records the scale of the step's amax.
+    A module not called since the last commit is unchanged.  ``skipped``: the
+    loss scaler skipped this optimizer step, so nothing is committed (the
+    observed amaxes are dropped), and the FP8 state moves exactly when the
+    optimizer state does.  It is a bool, a one-element tensor (nonzero:
+    skipped, a ``found_inf`` flag; read on the device, no host sync) or an
+    :class:`mpx_torch.GradScaler` after its ``update()`` for this step (the
+    step was skipped when it was not finite and the scaler skips non-finite
+    steps).  Call it after ``optimizer.step()`` (and ``scaler.update()``),
+    also in gradient accumulation: once per window.
+
+    Raises:
+        mpx.UnsupportedTypeError: for a ``model`` that is not a Module or a bad ``skipped``.
+        mpx.MPXError: for a GradScaler whose ``update()`` was not called since the last commit.
+    """
+    from mpx_torch.grad_scaler import GradScaler
+
+    if not isinstance(model, nn.Module):
+        raise UnsupportedTypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}.")
+    if isinstance(skipped, GradScaler):
+        tensors = getattr(skipped, "_tensors", None)
+        if tensors is not None and skipped.is_enabled():
+            seen = _SCALER_STEPS.setdefault(skipped, {})
+            if seen.get(id(model)) == tensors.steps:
+                raise MPXError(
+                    "commit(model, scaler): the scaler's update() was not called since the last commit; "
+                    "call scaler.update() first, then commit once per optimizer step."
+                )
+            seen[id(model)] = tensors.steps
+    flags: dict[torch.device, torch.Tensor] = {}
+    for _, module in float8_modules(model):
+        device = module.fp8_scale.device
+        if device not in flags:
+            flags[device] = _skip_flag(skipped, device)
+        module._fp8_commit(flags[device])
+    if not flags:
+        _skip_flag(skipped, torch.device("cpu"))  # validates ``skipped`` for a model with no FP8 module
+
+
+def _recipe_of(model: nn.Module) -> tuple[Float8Recipe, list[tuple[str, Float8Linear]]]:
+    modules = list(float8_modules(model))
+    recipes = {module.fp8_recipe for _, module in modules}
+    if len(recipes) > 1:
+        raise StateDictError(
+            f"model: its FP8 modules use {len(recipes)} different recipes; an {FLOAT8_FORMAT} dict holds one "
+            "(give every FP8 module the same fp8 keys, or save model.state_dict() instead)"
+        )
+    return (recipes.pop() if recipes else Float8Recipe()), modules
+
+
+def _name(path: str, role: str) -> str:
+    return f"{path}.{role}" if path else role
+
+
+def float8_state_dict(model: nn.Module) -> dict[str, Any]:
+    """``model``'s FP8 state as the neutral JSON-safe ``mpx.float8/1`` dict (one host read).
+
+    Tensor names are ``"<module path>.input"``, ``".weight"`` and ``".grad"`` (the
+    roles alone for a root module);
+    :func:`mpx.load_float8_state_dict` and every backend read it.
+
+    Raises:
+        mpx.StateDictError: when the model's FP8 modules use different recipes.
+    """
+    recipe, modules = _recipe_of(model)
+    tensors = {}
+    for path, module in modules:
+        scales = module.fp8_scale.tolist()
+        histories = module.fp8_amax_history.tolist()
+        for i, role in enumerate(ROLES):
+            tensors[_name(path, role)] = TensorScale(role, scales[i], tuple(histories[i]))
+    return _core_state_dict(recipe, Float8State(tensors))
+
+
+def load_float8_state_dict(model: nn.Module, state_dict: Mapping[str, Any]) -> None:
+    """Load an ``mpx.float8/1`` dict into ``model``'s FP8 modules, in place (all or nothing).
+
+    Every field is validated (:func:`mpx.load_float8_state_dict`), the recipe
+    must equal the modules' and the tensor names must be exactly theirs.
+
+    Raises:
+        mpx.StateDictError: naming the bad field; nothing changes.
+    """
+    recipe, state = _core_load(state_dict)
+    own, modules = _recipe_of(model)
+    if modules and recipe != own:
+        raise StateDictError(f"recipe: the state dict's {recipe} differs from the model's {own}")
+    expected = {_name(path, role): (module, i) for path, module in modules for i, role in enumerate(ROLES)}
+    missing = sorted(set(expected) - set(state.tensors))
+    extra = sorted(set(state.tensors) - set(expected))
+    if missing or extra:
+        raise StateDictError(
+            f"tensors: expected exactly the model's FP8 tensors; missing {missing[:3]}, unexpected {extra[:3]}"
+        )
+    for name, (_, i) in expected.items():
+        if state.tensors[name].role != ROLES[i]:
+            raise StateDictError(
+                f"tensors[{name!r}].role: expected {ROLES[i]!r}, got {state.tensors[name].role!r}"
+            )
+    with torch.no_grad():
+        for name, (module, i) in expected.items():
+            ts = state.tensors[name]
+            module.fp8_scale[i] = ts.scale
+            if ts.amax_history:
+                module.fp8_amax_history[i].copy_(torch.tensor(ts.amax_history, dtype=torch.float32))
+            module.fp8_amax[i] = -1.0
