@@ -63,7 +63,12 @@ class AutocastError(mpx.MPXError):
 
 
 class Interpreter(ControlFlow):
-    """One policy's evaluation of jaxprs; ``float32`` is the interpreter of nested float32 regions."""
+    """One policy's evaluation of jaxprs.
+
+    ``scopes`` maps autocast's name scopes to their interpreters: this one for a mixed autocast's, and
+    (after :meth:`with_float32_regions`) a float32 one for the regions of a nested float32 autocast.
+    ``warned`` (the primitives already warned about) is shared by both.
+    """
 
     def __init__(self, rules: Rules, *, strict: bool = False, warned: set[str] | None = None) -> None:
         self.rules = rules
@@ -154,13 +159,14 @@ class Interpreter(ControlFlow):
             from_wide = bool(floats) and all(not isinstance(v, Literal) and v in wide for v in floats)
             in_island = rules and bool(floats) and all(isinstance(v, Literal) or v in island for v in floats)
             target = self.scope_of(eqn) if rules else self
-            if target is not self:
-                with eqn_context(eqn):
-                    outs = target.eqn(eqn, invals, True, flags)
-            elif rules and name == "convert_element_type" and from_wide and param(eqn, "new_dtype") in HALF:
+            if rules and name == "convert_element_type" and from_wide and param(eqn, "new_dtype") in HALF:
                 # jnp's own "upcast, reduce, cast back" (jnp.mean, jnp.sum of half inputs): a FLOAT32
                 # op's result stays float32, as the op table says
                 outs = [invals[0]]
+            elif target is not self:
+                # traced inside a nested autocast (a float32 region): that interpreter's rules
+                with eqn_context(eqn):
+                    outs = target.eqn(eqn, invals, True, flags)
             elif in_island and not has_subjaxpr(eqn.params):
                 # the function's own float32 (positions, frequencies, an explicit upcast): as traced,
                 # neither lowered nor cast by its class

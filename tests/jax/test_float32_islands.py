@@ -185,6 +185,9 @@ def test_nested_float32_autocast_forces_float32():
         [BF16, BF16],  # h @ w, outside again
         [F32, F32],  # the region on a float32 input
     ]
+    # a FLOAT32 op of a half value in the region returns float32, as outside it
+    mean = autocast(lambda a: autocast(jnp.mean, "float32")(a @ w), "mixed_bfloat16")(x)
+    assert mean.dtype == F32
     inner, outer, _ = autocast(f, "mixed_bfloat16")(x)
     assert inner.dtype == F32 and outer.dtype == BF16
     h = jnp.dot(x.astype(BF16), w.astype(BF16), preferred_element_type=F32).astype(BF16)
