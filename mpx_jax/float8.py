@@ -352,9 +352,14 @@ def _scale_for(recipe: Float8Recipe, stored: jax.Array, x: jax.Array, fmt: str) 
     return jnp.asarray(stored, jnp.float32)
 
 
-def _gemm(qa: jax.Array, qb: jax.Array, sa: jax.Array, sb: jax.Array, dims: Any) -> jax.Array:
+def _gemm(
+    qa: jax.Array, qb: jax.Array, sa: jax.Array, sb: jax.Array, dims: Any, finite: jax.Array
+) -> jax.Array:
     out = lax.dot_general(qa, qb, dims, preferred_element_type=jnp.float32)
-    return out * scale_inv(sa) * scale_inv(sb)
+    out = out * scale_inv(sa) * scale_inv(sb)
+    # an inf in an operand is an overflow upstream (a scaled loss's gradient, an activation): the
+    # quantization's clip would hide it from the loss scaler, so the GEMM's result says NaN instead
+    return jnp.where(finite, out, jnp.float32(jnp.nan))
 
 
 def _mm(a_ndim: int) -> Any:
@@ -385,6 +390,11 @@ def fp8_linear(
     ``preferred_element_type=float32``, then both inverse scales.  The backward quantizes the
     cotangent ``g`` and computes ``dx = fp8_dot(g, kernel.T)``, ``dk = fp8_dot(x.T, g)`` from the
     forward's quantized operands.  Both match the reference within float32 rounding of the sums.
+
+    One rule beyond the reference: a non-finite value in an operand (``x``, ``kernel``, or the
+    cotangent) makes that GEMM's result NaN instead of being clipped to +-fp8_max, so a scaled loss
+    that overflowed, or an inf activation, still reaches the loss scaler as a non-finite gradient
+    and the step is skipped (the clip alone would turn it into a finite, wrong update).
     """
     for where, tree in (("scales", scales), ("sinks", sinks)):
         if not isinstance(tree, Mapping) or set(tree) != set(core.ROLES):
@@ -410,8 +420,9 @@ def _forward(static: _Static, x: Any, kernel: Any, scales: Any) -> tuple[jax.Arr
     sx = _scale_for(recipe, scales["input"], x, fi)
     sw = _scale_for(recipe, scales["weight"], kernel, fw)
     qx, qw = quantize(x, sx, fi), quantize(kernel, sw, fw)
-    y = _gemm(qx, qw, sx, sw, _mm(x.ndim))
-    return y, (qx, qw, sx, sw, amax(x), amax(kernel))
+    ax, aw = amax(x), amax(kernel)
+    y = _gemm(qx, qw, sx, sw, _mm(x.ndim), jnp.isfinite(ax) & jnp.isfinite(aw))
+    return y, (qx, qw, sx, sw, ax, aw)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -431,15 +442,17 @@ def _bwd(static: _Static, res: Any, g: jax.Array) -> tuple[Any, ...]:
     sg = _scale_for(recipe, scales["grad"], g, fg)
     qg = quantize(g, sg, fg)
     # dx[..., i] = sum_o g[..., o] * w[i, o];  dk[i, o] = sum_batch x[b, i] * g[b, o]
-    dx = _gemm(qg, qw, sg, sw, (((qg.ndim - 1,), (1,)), ((), ())))
+    ag = amax(g)
+    ok = jnp.isfinite(ag) & jnp.isfinite(ax) & jnp.isfinite(aw)
+    dx = _gemm(qg, qw, sg, sw, (((qg.ndim - 1,), (1,)), ((), ())), ok)
     qx2 = qx.reshape(-1, qx.shape[-1])
     qg2 = qg.reshape(-1, qg.shape[-1])
-    dk = _gemm(qx2, qg2, sx, sg, (((0,), (0,)), ((), ())))
+    dk = _gemm(qx2, qg2, sx, sg, (((0,), (0,)), ((), ())), ok)
     d_scales = jax.tree_util.tree_map(jnp.zeros_like, scales)
     d_sinks = {
         "input": ax.astype(jnp.result_type(sinks["input"])),
         "weight": aw.astype(jnp.result_type(sinks["weight"])),
-        "grad": amax(g).astype(jnp.result_type(sinks["grad"])),
+        "grad": ag.astype(jnp.result_type(sinks["grad"])),
     }
     return dx.astype(static.x_dtype), dk.astype(static.k_dtype), d_scales, d_sinks
 

@@ -381,3 +381,21 @@ def test_fp8_linear_refuses_missing_roles():
 def test_ml_dtypes_and_jax_agree_on_dtypes():
     assert np.dtype(f8.DTYPES["e4m3"]) == np.dtype(ml_dtypes.float8_e4m3fn)
     assert np.dtype(f8.DTYPES["e5m2"]) == np.dtype(ml_dtypes.float8_e5m2)
+
+
+def test_fp8_linear_passes_an_overflow_on_to_the_loss_scaler():
+    # the clip would turn an inf into +-fp8_max: the GEMM says NaN instead, and the amax is inf
+    recipe = Float8Recipe(amax_history_len=2)
+    stored = {k: jnp.float32(1.0) for k in core.ROLES}
+    sinks = {k: jnp.float32(0.0) for k in core.ROLES}
+    x, w = np.ones((2, 4), np.float32), np.ones((4, 3), np.float32)
+    f = jax.jit(lambda x, w, s: f8.fp8_linear(x, w, stored, s, recipe))
+    y, vjp = jax.vjp(f, x, w, sinks)
+    assert np.all(np.isfinite(np.asarray(y)))
+    g = np.ones((2, 3), np.float32)
+    g[0, 0] = np.inf
+    dx, dw, amaxes = vjp(jnp.asarray(g))
+    assert np.all(np.isnan(np.asarray(dx))) and np.all(np.isnan(np.asarray(dw)))
+    assert float(amaxes["grad"]) == np.inf
+    x[1, 1] = -np.inf
+    assert np.all(np.isnan(np.asarray(f(x, w, sinks))))
