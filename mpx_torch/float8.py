@@ -54,6 +54,7 @@ from mpx.float8 import load_float8_state_dict as _core_load
 from mpx_torch import _float8_ops
 from mpx_torch._float8_ops import current_scales, delayed_scales
 from mpx_torch._float8_ops import quantize as quantize
+from mpx_torch.distributed import check_process_group, group_to_agree
 from mpx_torch.prepare import module_category
 
 __all__ = [
@@ -282,7 +283,25 @@ def _skip_flag(skipped: Any, device: torch.device) -> torch.Tensor:
 _SCALER_STEPS: weakref.WeakKeyDictionary[Any, dict[int, int]] = weakref.WeakKeyDictionary()
 
 
-def commit(model: nn.Module, skipped: Any = False) -> None:
+def _reduce_amaxes(modules: list[Float8Linear], group: Any) -> None:
+    """All-reduce the pending amaxes with MAX over ``group`` (:func:`mpx.float8.reduce_amaxes`): one
+    collective per device for all modules; NaN is sent as inf (both are non-finite, and a MAX all-reduce
+    need not propagate NaN), -1 (not observed here) loses to any observed amax."""
+    import torch.distributed as dist
+
+    by_device: dict[torch.device, list[Float8Linear]] = {}
+    for module in modules:
+        by_device.setdefault(module.fp8_amax.device, []).append(module)
+    with torch.no_grad():
+        for group_modules in by_device.values():
+            flat = torch.cat([m.fp8_amax for m in group_modules])
+            flat = torch.where(torch.isnan(flat), torch.inf, flat)
+            dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
+            for m, part in zip(group_modules, flat.split(3), strict=True):
+                m.fp8_amax.copy_(part)
+
+
+def commit(model: nn.Module, skipped: Any = False, *, process_group: Any = None) -> None:
     """Commit the amaxes ``model``'s FP8 modules observed since the last commit: once per optimizer step.
 
     Each :class:`Float8Linear` moves one step of :func:`mpx.float8.float8_update`:
@@ -297,6 +316,12 @@ def commit(model: nn.Module, skipped: Any = False) -> None:
     step was skipped when it was not finite and the scaler skips non-finite
     steps).  Call it after ``optimizer.step()`` (and ``scaler.update()``),
     also in gradient accumulation: once per window.
+
+    Replicas: first the observed amaxes are all-reduced with MAX over
+    ``process_group`` (None, the default: the world group once
+    ``torch.distributed`` is initialized, as :class:`mpx_torch.GradScaler`;
+    nothing for one rank), so every replica commits the same scales.  Every
+    rank must call ``commit`` (it is a collective).
 
     Raises:
         mpx.UnsupportedTypeError: for a ``model`` that is not a Module or a bad ``skipped``.
@@ -316,8 +341,12 @@ def commit(model: nn.Module, skipped: Any = False) -> None:
                     "call scaler.update() first, then commit once per optimizer step."
                 )
             seen[id(model)] = tensors.steps
+    modules = [module for _, module in float8_modules(model)]
+    group = group_to_agree(check_process_group(process_group))
+    if group is not None and modules:
+        _reduce_amaxes(modules, group)
     flags: dict[torch.device, torch.Tensor] = {}
-    for _, module in float8_modules(model):
+    for module in modules:
         device = module.fp8_scale.device
         if device not in flags:
             flags[device] = _skip_flag(skipped, device)

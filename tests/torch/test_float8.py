@@ -479,3 +479,61 @@ def test_a_small_transformer_trains_under_fp8_hybrid():
     assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5, losses[::10]
     scales = model.blocks[0].fc1.fp8_scale.tolist()
     assert all(s != 1.0 for s in scales)  # every tensor's scale moved off its initial value
+
+
+# -- replicas ---------------------------------------------------------------------------------------------
+REPLICA_WORKER = r"""
+import json, math, sys
+import torch, torch.distributed as dist
+from torch import nn
+from mpx_torch import float8
+
+rank, path, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+dist.init_process_group("gloo", init_method="file://" + path, rank=rank, world_size=2)
+layer = float8.convert(nn.Linear(4, 2, bias=False), "float32,fp8=hybrid,fp8_history=4")
+steps = json.loads(sys.argv[4])[rank]
+for a_in, a_g, called in steps:
+    if called:
+        with torch.no_grad():
+            layer.weight.copy_(torch.full((2, 4), 0.5))
+        x = torch.zeros(2, 4)
+        x[0, 1] = a_in
+        g = torch.zeros(2, 2)
+        g[1, 0] = a_g
+        (layer(x) * g).sum().backward()
+    float8.commit(layer)
+with open(out, "w") as f:
+    json.dump(float8.float8_state_dict(layer), f)
+dist.destroy_process_group()
+"""
+
+
+def test_replicas_commit_the_same_scales_from_max_reduced_amaxes(tmp_path):
+    import subprocess
+    import sys
+
+    steps = [
+        [[2.0, 1.0, True], [3.0, math.nan, True], [0.5, 0.25, True], [0.0, 0.0, False]],
+        [[5.0, 0.5, True], [1.0, 2.0, True], [0.25, 8.0, False], [7.0, 1.5, True]],
+    ]
+    script = tmp_path / "worker.py"
+    script.write_text(REPLICA_WORKER)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(r), str(tmp_path / "init"), str(tmp_path / f"out{r}.json"),
+             json.dumps(steps)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for r in (0, 1)
+    ]  # fmt: skip
+    for p in procs:
+        output, _ = p.communicate(timeout=900)  # only catches a hang
+        assert p.returncode == 0, output
+    got = [json.loads((tmp_path / f"out{r}.json").read_text()) for r in (0, 1)]
+    assert got[0] == got[1]  # every replica holds the same scales
+    recipe = Float8Recipe(amax_history_len=4)
+    state = float8_init(recipe, {r: r for r in ROLES3})
+    for s0, s1 in zip(*steps, strict=True):
+        per_rank = [{"input": s[0], "weight": 0.5, "grad": s[1]} if s[2] else {} for s in (s0, s1)]
+        state = float8_update(recipe, state, mpx.float8.reduce_amaxes(per_rank))
+    assert load_float8_state_dict(got[0])[1] == state
