@@ -30,6 +30,7 @@ MINIMUM_VERSIONS: dict[str, str] = {
     "jax": "0.10.2",
     "flax": "0.12.8",
     "optax": "0.2.8",
+    "orbax-checkpoint": "0.12.8",  # mpx_jax.orbax
     # the training libraries mpx_torch.lightning / .accelerate / .transformers integrate with
     "lightning": "2.6.6",
     "accelerate": "1.16",

@@ -57,7 +57,10 @@ import jax
 import orbax.checkpoint as ocp
 
 import mpx
+from mpx.versions import require_version
 from mpx_jax.loss_scale import STATE_FIELDS, LossScale, config_difference, plain_loss_scale
+
+require_version("orbax-checkpoint", ocp.__version__)
 
 __all__ = [
     "METADATA_KEY",
