@@ -60,6 +60,7 @@ __all__ = [
     "float8_init",
     "float8_state_dict",
     "float8_update",
+    "fp8_dot_general",
     "fp8_linear",
     "load_float8_state_dict",
     "quantize",
@@ -465,3 +466,82 @@ def check_state_dict_recipe(recipe: Float8Recipe, loaded: Float8Recipe) -> None:
     if loaded != recipe:
         diff = [k for k, v in recipe.to_dict().items() if loaded.to_dict()[k] != v]
         raise StateDictError(f"recipe: the state dict's recipe differs from the model's in {', '.join(diff)}")
+
+
+# -- a stateless FP8 dot_general (current scaling), for autocast's LOWER dots ---------------------------
+
+
+def fp8_dot_general(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    dimension_numbers: Any,
+    recipe: Float8Recipe,
+    *,
+    out_dtype: Any = None,
+) -> jax.Array:
+    """``lax.dot_general(lhs, rhs, dimension_numbers)`` as an FP8 GEMM with current scaling (no state).
+
+    Each operand is quantized with the scale its own amax gives (:func:`compute_scale` under
+    ``recipe`` with ``scaling="current"``, whatever the recipe's scaling: there is no state to delay
+    with), in the recipe's forward format; ``lax.dot_general`` runs on the float8 operands with
+    ``preferred_element_type=float32`` and the inverse scales follow.  The backward quantizes the
+    cotangent (e5m2 under ``hybrid``) with its own amax and computes both transposed products on the
+    quantized values in float32 (exact products, float32 sums: the FP8 GEMM's numbers; the backward
+    dots themselves run in float32).  A non-finite operand or cotangent gives NaN (as
+    :func:`fp8_linear`).  ``out_dtype``: the result's dtype (default: ``lhs``'s).
+    """
+    current = dataclasses.replace(recipe, scaling="current")
+    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+    dtype = jnp.dtype(out_dtype) if out_dtype is not None else lhs.dtype
+    dims = jax.tree_util.tree_map(int, dimension_numbers)
+    dims = (tuple(tuple(d) for d in dims[0]), tuple(tuple(d) for d in dims[1]))
+    return _fp8_dg(_DGStatic(current, dims, lhs.dtype, rhs.dtype, dtype), lhs, rhs)
+
+
+@dataclasses.dataclass(frozen=True)
+class _DGStatic:
+    recipe: Float8Recipe
+    dims: Any
+    lhs_dtype: Any
+    rhs_dtype: Any
+    out_dtype: Any
+
+
+def _dg_forward(static: _DGStatic, lhs: Any, rhs: Any) -> tuple[jax.Array, Any]:
+    fmt = static.recipe.format_of("input")
+    al, ar = amax(lhs), amax(rhs)
+    sl, sr = compute_scale(static.recipe, al, fmt), compute_scale(static.recipe, ar, fmt)
+    ql, qr = quantize(lhs, sl, fmt), quantize(rhs, sr, fmt)
+    y = _gemm(ql, qr, sl, sr, static.dims, jnp.isfinite(al) & jnp.isfinite(ar))
+    return y.astype(static.out_dtype), (ql, qr, sl, sr, jnp.isfinite(al) & jnp.isfinite(ar))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fp8_dg(static: _DGStatic, lhs: Any, rhs: Any) -> jax.Array:
+    return _dg_forward(static, lhs, rhs)[0]
+
+
+def _dg_fwd(static: _DGStatic, lhs: Any, rhs: Any) -> tuple[jax.Array, Any]:
+    return _dg_forward(static, lhs, rhs)
+
+
+def _dg_bwd(static: _DGStatic, res: Any, g: jax.Array) -> tuple[jax.Array, jax.Array]:
+    ql, qr, sl, sr, ok = res
+    fg = static.recipe.format_of("grad")
+    ag = amax(g)
+    sg = compute_scale(static.recipe, ag, fg)
+    qg = quantize(g, sg, fg).astype(jnp.float32)
+    _, transpose = jax.vjp(
+        lambda a, b: lax.dot_general(a, b, static.dims, preferred_element_type=jnp.float32),
+        ql.astype(jnp.float32),
+        qr.astype(jnp.float32),
+    )
+    dl, dr = transpose(qg)
+    ok = ok & jnp.isfinite(ag)
+    nan = jnp.float32(jnp.nan)
+    dl = jnp.where(ok, dl * scale_inv(sg) * scale_inv(sr), nan)
+    dr = jnp.where(ok, dr * scale_inv(sl) * scale_inv(sg), nan)
+    return dl.astype(static.lhs_dtype), dr.astype(static.rhs_dtype)
+
+
+_fp8_dg.defvjp(_dg_fwd, _dg_bwd)

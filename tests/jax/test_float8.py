@@ -399,3 +399,32 @@ def test_fp8_linear_passes_an_overflow_on_to_the_loss_scaler():
     assert float(amaxes["grad"]) == np.inf
     x[1, 1] = -np.inf
     assert np.all(np.isnan(np.asarray(f(x, w, sinks))))
+
+
+@pytest.mark.parametrize("recipe", [Float8Recipe(), Float8Recipe(format="e4m3", margin=1)])
+def test_fp8_dot_general_batched_einsum_matches_the_reference(recipe):
+    rng = np.random.default_rng(3)
+    a = rng.normal(size=(3, 5, 16)).astype(np.float32)
+    b = rng.normal(size=(3, 16, 7)).astype(np.float32) * 4
+    g = rng.normal(size=(3, 5, 7)).astype(np.float32) * 1e-2
+    dims = (((2,), (1,)), ((0,), (0,)))
+    cur = Float8Recipe(**{**recipe.to_dict(), "scaling": "current"})
+    sa = core.compute_scale(cur, np.abs(a).max(), "e4m3")
+    sb = core.compute_scale(cur, np.abs(b).max(), "e4m3")
+    fg = recipe.format_of("grad")
+    sg = core.compute_scale(cur, np.abs(g).max(), fg)
+    f = jax.jit(lambda a, b: f8.fp8_dot_general(a, b, dims, recipe))
+    y, vjp = jax.vjp(f, a, b)
+    da, db = vjp(jnp.asarray(g))
+    qa, qb, qg = core.quantize(a, sa, "e4m3"), core.quantize(b, sb, "e4m3"), core.quantize(g, sg, fg)
+    for i in range(3):
+        ref = core.fp8_dot(a[i], b[i], sa, sb)
+        assert np.all(np.abs(np.asarray(y[i]) - ref) <= _bound(qa[i], qb[i], sa, sb))
+        ref_da = core.fp8_dot(g[i], b[i].T, sg, sb, fg, "e4m3")
+        assert np.all(np.abs(np.asarray(da[i]) - ref_da) <= _bound(qg[i], qb[i].T, sg, sb))
+        ref_db = core.fp8_dot(a[i].T, g[i], sa, sg, "e4m3", fg)
+        assert np.all(np.abs(np.asarray(db[i]) - ref_db) <= _bound(qa[i].T, qg[i], sa, sg))
+    assert "f8E4M3FN" in f.lower(a, b).as_text()
+    # bfloat16 operands: the result keeps the input's dtype
+    out = f8.fp8_dot_general(jnp.asarray(a, jnp.bfloat16), jnp.asarray(b, jnp.bfloat16), dims, recipe)
+    assert out.dtype == jnp.bfloat16
