@@ -287,10 +287,9 @@ class Interpreter(ControlFlow):
             return self.generic(eqn, invals, weak)
         compute = self.rules.compute
         args = [cast(lhs, compute), cast(rhs, compute), *invals[2:]]
-        params = dict(eqn.params)
-        if "preferred_element_type" in params:
-            params["preferred_element_type"] = F32
-        if isinstance(params.get("precision"), jax.lax.DotAlgorithmPreset):
+        param(eqn, "preferred_element_type")  # the float32 accumulation is asked for through it
+        params = dict(eqn.params, preferred_element_type=F32)
+        if isinstance(param(eqn, "precision"), jax.lax.DotAlgorithmPreset):
             # An algorithm such as F16_F16_F32 (jax.nn.dot_product_attention's choice for
             # float16) has no CPU lowering; preferred_element_type already asks for
             # float32 accumulation, which every backend supports.
