@@ -403,6 +403,11 @@ class _ThreadState(threading.local):
 _state = _ThreadState()
 
 
+def region_active() -> bool:
+    """Whether an mpx autocast region is active in this thread (its function mode is installed)."""
+    return _state.mode is not None
+
+
 class autocast(contextlib.ContextDecorator):
     """Run a region under an mpx policy: ``torch.autocast`` plus the mpx op table.
 

@@ -29,8 +29,9 @@ from mpx import (
     widest_dtype,
 )
 from mpx_torch import _compat
+from mpx_torch._compile import compiling
 from mpx_torch._recompute import RecomputedForward
-from mpx_torch.autocast import _HALF, autocast, to_torch_dtype
+from mpx_torch.autocast import _HALF, autocast, region_active, to_torch_dtype
 
 __all__ = ["module_category", "prepare", "prepared_policy"]
 
@@ -130,6 +131,27 @@ class _PolicyHooks:
         return f"<mpx policy hooks: {self.policy}>"
 
 
+class _ReentryHooks(_PolicyHooks):
+    """A block's policy, entered only when no mpx region is active: a block that activation checkpointing
+    (``torch.utils.checkpoint``, Hugging Face's ``gradient_checkpointing_enable``) runs again in
+    backward, outside the root's region, recomputes under the same policy (torch's checkpoint restores
+    autocast, not the op table's function mode); inside a region (every forward) it does nothing."""
+
+    def enter(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if compiling() or region_active():
+            self._frames.stack.append(None)
+            return None
+        return super().enter(module, args, kwargs)
+
+    def exit(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        stack = self._frames.stack
+        if stack:
+            frame = stack.pop()
+            if frame is not None:
+                self._context._exit(frame)
+        return None
+
+
 _EAGER_TOP_LEVEL: list[bool] = []
 
 
@@ -144,7 +166,7 @@ def _hooks_run_eagerly_as_top_level_frames() -> None:
     the graph count is torch.autocast's.
     """
     if not _EAGER_TOP_LEVEL:
-        for hook in (_PolicyHooks.enter, _PolicyHooks.exit):
+        for hook in (_PolicyHooks.enter, _PolicyHooks.exit, _ReentryHooks.enter, _ReentryHooks.exit):
             _compat.dynamo_run_eagerly(hook.__code__)
         _EAGER_TOP_LEVEL.append(True)
 
@@ -152,7 +174,7 @@ def _hooks_run_eagerly_as_top_level_frames() -> None:
 def prepared_policy(module: nn.Module) -> Policy | None:
     """The policy :func:`prepare` put ``module`` under (its own region's), or None when it has none."""
     hooks = module.__dict__.get(_ATTRIBUTE)
-    return hooks.policy if isinstance(hooks, _PolicyHooks) else None
+    return hooks.policy if isinstance(hooks, _PolicyHooks) and not isinstance(hooks, _ReentryHooks) else None
 
 
 def _unwrap(module: nn.Module) -> None:
@@ -304,4 +326,11 @@ def prepare(
             sub.__dict__[_ATTRIBUTE] = hooks
         elif recompute and own.lowers_precision and _recomputable(sub):
             sub.forward = RecomputedForward(sub, autocast(own, device_type, op_table=op_table))
+        elif next(sub.children(), None) is not None:  # a block: its policy again when checkpointing reruns it
+            hooks = _ReentryHooks(own, device_type, op_table, True, False, recompute)
+            hooks.handles = (
+                sub.register_forward_pre_hook(hooks.enter, prepend=True, with_kwargs=True),
+                sub.register_forward_hook(hooks.exit, prepend=True, always_call=True),
+            )
+            sub.__dict__[_ATTRIBUTE] = hooks
     return module

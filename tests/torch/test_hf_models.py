@@ -169,3 +169,26 @@ def test_prepared_model_copies_are_independent():
         a = prepared(**batch).logits
         b = copy.deepcopy(prepared)(**batch).logits
     assert a.dtype == F32 and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_gradient_checkpointing_recomputes_under_the_policy(name, reentrant):
+    """HF gradient checkpointing reruns each block in backward, outside the root's region: the block enters
+    the policy again, so the recomputation matches the forward (torch checks) and the gradients are those
+    of the same prepared model without checkpointing, bit for bit."""
+    model, batch = MT.build(name)
+    model.train()
+    for sub in model.modules():
+        if isinstance(sub, torch.nn.Dropout):
+            sub.p = 0.0
+    plain = mpx_torch.prepare(copy.deepcopy(model), "mixed_bfloat16")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    checkpointed = mpx_torch.prepare(copy.deepcopy(model), "mixed_bfloat16")
+    grads = []
+    for m in (checkpointed, plain):
+        for _ in range(2):
+            m.zero_grad(set_to_none=True)
+            m(**batch).loss.backward()
+        grads.append([p.grad for p in m.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
