@@ -98,6 +98,12 @@ class Float8Linear(nn.Linear):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         recipe = self.fp8_recipe
+        if self.fp8_scale.dtype != torch.float32 or self.fp8_amax.dtype != torch.float32:
+            raise MPXError(
+                f"Float8Linear: its FP8 state was cast to {self.fp8_scale.dtype} (model.to(dtype), .half() or "
+                "prepare with half buffers after convert); FP8 scales are float32. Call "
+                "mpx_torch.float8.convert(model, policy) after casting the model."
+            )
         device_type = input.device.type
         if torch.is_autocast_enabled(device_type):
             out_dtype = torch.get_autocast_dtype(device_type)
@@ -240,6 +246,11 @@ def convert(
         if not isinstance(sub, Float8Linear) or sub.fp8_recipe != recipe:
             sub.__class__ = Float8Linear
             _init_state(sub, recipe)  # type: ignore[arg-type]
+        else:  # kept state: back to float32 if a cast of the model narrowed it
+            for name in ("fp8_scale", "fp8_amax_history", "fp8_amax"):
+                buf = getattr(sub, name)
+                if buf.dtype != torch.float32:
+                    setattr(sub, name, buf.to(torch.float32))
         if gemm == "auto":
             sub.fp8_gemm = "scaled_mm" if _float8_ops.scaled_mm_available(sub.weight.device) else "emulate"
         else:

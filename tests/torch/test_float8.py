@@ -537,3 +537,43 @@ def test_replicas_commit_the_same_scales_from_max_reduced_amaxes(tmp_path):
         per_rank = [{"input": s[0], "weight": 0.5, "grad": s[1]} if s[2] else {} for s in (s0, s1)]
         state = float8_update(recipe, state, mpx.float8.reduce_amaxes(per_rank))
     assert load_float8_state_dict(got[0])[1] == state
+
+
+def test_a_cast_of_the_model_is_caught_and_convert_restores_float32_state():
+    model = convert(nn.Sequential(nn.Linear(8, 8)), "bfloat16,fp8=hybrid")
+    model.to(torch.bfloat16)
+    with pytest.raises(mpx.MPXError, match="FP8 state was cast to torch.bfloat16.*convert.*after casting"):
+        model(torch.randn(2, 8, dtype=torch.bfloat16))
+    convert(model, "bfloat16,fp8=hybrid")
+    assert model[0].fp8_scale.dtype == torch.float32 and model[0].weight.dtype == torch.bfloat16
+    assert model(torch.randn(2, 8, dtype=torch.bfloat16)).dtype == torch.bfloat16
+    # prepare first, then convert: the FP8 state is created after prepare's casts
+    other = mpx_torch.prepare(nn.Sequential(nn.Linear(8, 8)), "bfloat16,fp8=hybrid")
+    convert(other, "bfloat16,fp8=hybrid")
+    assert other[0].fp8_scale.dtype == torch.float32 and other(torch.randn(2, 8)).dtype == torch.bfloat16
+
+
+def test_a_tiny_hf_llama_trains_under_fp8_hybrid():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config)  # random weights, no download
+    policy = "mixed_bfloat16,fp8=hybrid,fp8_history=16,@lm_head={fp8=none}"
+    convert(mpx_torch.prepare(model, policy), policy)
+    names = [name for name, _ in float8.float8_modules(model)]
+    assert len(names) == 14 and "model.layers.1.mlp.down_proj" in names and "lm_head" not in names
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    data = torch.arange(32).repeat(4, 2)[:, :16]
+    losses = []
+    for _ in range(30):
+        loss = model(input_ids=data, labels=data).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        commit(model)
+        losses.append(loss.item())
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < 0.5 * losses[0], losses[::5]
+    json.dumps(float8.float8_state_dict(model))  # the neutral dict of a real model is JSON
