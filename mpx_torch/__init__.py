@@ -12,7 +12,10 @@ Integrations, each imported on its own (importing mpx_torch imports none of thes
 ``mpx_torch.transformers`` (``MPXTrainer`` / ``MPXTrainerMixin`` for the HF Trainer).
 """
 
-from mpx_torch import _compat  # noqa: F401  (first: the torch version check)
+from mpx_torch import (
+    _compat,  # noqa: F401  (first: the torch version check)
+    float8,  # FP8 GEMMs: mpx_torch.float8.convert / commit
+)
 from mpx_torch.autocast import autocast, to_torch_dtype
 from mpx_torch.diagnostics import underflow_stats, watch
 from mpx_torch.distributed import fsdp_mixed_precision, fully_shard, register_comm_hook
@@ -23,6 +26,7 @@ from mpx_torch.prepare import module_category, prepare
 __all__ = [
     "GradScaler",
     "autocast",
+    "float8",
     "fsdp_mixed_precision",
     "fully_shard",
     "log_history",
