@@ -214,6 +214,13 @@ def _classify(r: dict, params: dict) -> tuple[str, str, str]:
         return "scaler semantics", "high", "replicas:diverge" if not obs["consistent"] else "replicas:applied"
     if group == "accumulation" and isinstance(obs, dict) and "scales" in obs:
         return "scaler semantics", "medium", "accumulation"
+    if group == "models" and isinstance(obs, dict):  # real models: what the aspect observed differs
+        aspect = r["case"].rsplit(".", 1)[1]
+        if aspect == "ops" and obs.get("violations"):
+            return "precision hazard", "high", "models:ops"
+        if aspect == "overflow":
+            return "scaler semantics", "high", "models:overflow"
+        return "default differs", "low", "models"
     if group == "portability":
         if r["case"] == "portability.saves_neutral_format":
             return "API or format gap", "medium", "saves"
@@ -355,6 +362,23 @@ TEXTS: dict[str, tuple[str, str, str]] = {
         "A loss scale saved by another framework (or by mpx) cannot be loaded{because}, so a moved run "
         "restarts its scale and counters.",
     ),
+    "models:ops": (
+        "framework",
+        "{name} computes {model_ops} in half precision inside real models",
+        "In Hugging Face model code (tiny configs, random weights), ops the table keeps in float32 run in half "
+        "precision under native autocast when their input is half (an activation's pow, a norm after a "
+        "matmul), so those activations lose precision where mpx computes them in float32.",
+    ),
+    "models:overflow": (
+        "stepper",
+        "{name}: the float16 run with an injected overflow differs in real models: {some_cases}",
+        "The overflowing step is not skipped as the spec says, or the scale does not follow the core's trace.",
+    ),
+    "models": (
+        "framework",
+        "{name} differs from mpx on real models: {some_cases}",
+        "See the observed values: graph counts, the logits' error or the saved-activation bytes.",
+    ),
     "other": (
         "framework",
         "{name}: {count} other divergences in {group}",
@@ -399,6 +423,9 @@ class _Fields(dict):
 
     def _ops(self) -> str:
         return _list([_op(r["case"]) for r in self.rows])
+
+    def _model_ops(self) -> str:
+        return _list([f"{op} ({r['case'].split('.')[1]})" for r in self.rows for op in r["observed"]["violations"]])
 
     def _specs(self) -> str:
         return _list([r["case"].split(".", 1)[1] for r in self.rows], 6)
