@@ -35,7 +35,7 @@ step serves applied, skipped and accumulating steps.
 >>> def loss_fn(model, x):
 ...     return mpx_jax.get_loss_scale(opt).scale(jnp.sum(model(x) ** 2))
 >>> grads = nnx.grad(loss_fn, argnums=FLOAT8_GRADS)(model, jnp.ones((3, 4)))
->>> float8_step(model, opt, grads)
+>>> float8_step(opt, model, grads)
 >>> model.fp8_history[...][0, :2].tolist()
 [1.0, 0.0]
 """
@@ -49,6 +49,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mpx.errors import UnsupportedTypeError
 from mpx.float8 import ROLES, Float8Error, Float8Recipe
 from mpx.policy import Policy
 from mpx_jax import float8 as f8
@@ -221,8 +222,13 @@ def float8_step(optimizer: nnx.Optimizer, model: nnx.Module, grads: Any, /, **kw
     with ``accumulate=k``).  ``kwargs`` go to ``optimizer.update`` (``value=``, ``loss=``...), except
     ``axis_name`` (replicas' MAX of the amaxes, :func:`commit_float8`).
     """
-    if not isinstance(optimizer, nnx.Optimizer) and isinstance(model, nnx.Optimizer):
-        optimizer, model = model, optimizer  # nnx's own order is (model, grads); accept both
+    if not isinstance(optimizer, nnx.Optimizer):
+        raise UnsupportedTypeError(
+            f"optimizer: float8_step(optimizer, model, grads) takes an nnx.Optimizer first, got "
+            f"{type(optimizer).__name__}."
+        )
+    if not isinstance(model, nnx.Module):
+        raise UnsupportedTypeError(f"model: expected an nnx.Module, got {type(model).__name__}.")
     axis_name = kwargs.pop("axis_name", None)
     param_grads, amax_grads = nnx.split_state(grads, nnx.Param, Float8Amax)
     before = get_loss_scale(optimizer)

@@ -227,3 +227,35 @@ def test_small_transformer_trains_under_fp8_hybrid_and_compiles_once():
     st = float8_state(model)
     scales = [t["scale"] for t in st["tensors"].values()]
     assert all(s != 1.0 for s in scales)  # every scale moved off its initial value
+
+
+def test_float8_step_refuses_swapped_arguments():
+    model, opt = _make()
+    with pytest.raises(mpx.UnsupportedTypeError, match="optimizer: float8_step"):
+        float8_step(model, opt, nnx.state(model))
+
+
+def test_replicas_commit_the_max_of_their_amaxes():
+    from mpx_jax.float8_flax import Float8Amax, commit_float8
+
+    model, _ = _make()
+    graphdef, state = nnx.split(model)
+    sinks = nnx.state(model, Float8Amax)
+    per = np.array([[1.0, 5.0, 2.0], [4.0, 0.5, np.nan]], np.float32)  # 2 replicas' (input, weight, grad)
+    reps = jax.tree_util.tree_map(lambda _: jnp.asarray(per), sinks)
+
+    def commit(state, amax_grads):
+        m = nnx.merge(graphdef, state)
+        commit_float8(m, amax_grads, axis_name="r")
+        return nnx.state(m, type(m.l1.fp8_scale))
+
+    out = jax.vmap(commit, in_axes=(None, 0), axis_name="r")(state, reps)
+    ref = core.float8_update(
+        RECIPE,
+        core.float8_init(RECIPE, dict(zip(core.ROLES, core.ROLES, strict=True))),
+        core.reduce_amaxes([dict(zip(core.ROLES, row.tolist(), strict=True)) for row in per]),
+    )
+    want = np.asarray([ref.tensors[r].scale for r in core.ROLES], np.float32)
+    for layer in ("l1", "l2"):
+        scales = np.asarray(out[layer]["fp8_scale"][...])
+        assert np.array_equal(scales, np.stack([want, want])), scales
