@@ -577,3 +577,54 @@ def test_a_tiny_hf_llama_trains_under_fp8_hybrid():
         losses.append(loss.item())
     assert all(math.isfinite(v) for v in losses) and losses[-1] < 0.5 * losses[0], losses[::5]
     json.dumps(float8.float8_state_dict(model))  # the neutral dict of a real model is JSON
+
+
+def test_a_long_trace_with_a_grad_scaler_is_float8_update():
+    """300 optimizer steps with spikes, zeros, infs and NaNs; the GradScaler's skips decide the commits.
+
+    An inf input does not make the step non-finite: the FP8 clip turns it into +-448 / scale, so the loss
+    and the gradients stay finite (as under Transformer Engine's saturating casts); its amax is not recorded.
+    A NaN input, or a loss poisoned with inf, makes the gradients NaN: the scaler skips, nothing commits.
+    """
+    recipe = Float8Recipe(amax_history_len=16, margin=1)
+    layer = convert(nn.Linear(8, 4, bias=False), mpx.Policy(fp8=recipe))
+    opt = torch.optim.SGD(layer.parameters(), lr=0.0)
+    scaler = mpx_torch.GradScaler(mpx.ScalerConfig(init_scale=2.0**4, growth_interval=3))
+    state = float8_init(recipe, {r: r for r in ROLES3})
+    rng = np.random.default_rng(0)
+    skips = 0
+    for t in range(300):
+        a_in = float(np.float32(rng.lognormal(0.0, 1.0)))
+        if t % 37 == 5:
+            a_in = 1e4  # a spike
+        elif t % 23 == 7:
+            a_in = 0.0
+        elif t % 41 == 11:
+            a_in = math.inf  # clipped by the quantization: a finite step whose input amax is not recorded
+        elif t % 53 == 13:
+            a_in = math.nan
+        a_w, a_g = float(np.float32(rng.uniform(0.1, 2.0))), float(np.float32(rng.uniform(0.0, 3.0)))
+        scale = scaler.get_scale()
+        with torch.no_grad():
+            w = torch.zeros(4, 8)
+            w[0, 0] = a_w
+            layer.weight.copy_(w)
+        x = torch.zeros(3, 8)
+        x[1, 2] = a_in
+        g = torch.zeros(3, 4)
+        g[2, 1] = a_g
+        poison = t % 29 == 17
+        scaler.scale((layer(x) * g).sum() * (math.inf if poison else 1.0)).backward()
+        scaler.step(opt)
+        scaler.update()
+        commit(layer, scaler)
+        opt.zero_grad()
+        skipped = math.isnan(a_in) or poison
+        assert scaler.state.skipped_steps == skips + skipped, t
+        skips += skipped
+        grad = float(
+            np.float32(a_g) * np.float32(scale)
+        )  # the gradient the layer sees carries the loss scale
+        state = float8_update(recipe, state, {"input": a_in, "weight": a_w, "grad": grad}, skipped=skipped)
+        assert load_float8_state_dict(float8.float8_state_dict(layer))[1] == state, t
+    assert skips > 10
