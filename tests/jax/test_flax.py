@@ -398,3 +398,18 @@ def test_float32_softmax_attention_computes_flax_attention(kv_heads, dropout):
     assert jnp.allclose(causal, nnx.dot_product_attention(q, k[:, :5], v[:, :5], is_causal=True), atol=1e-5)
     half = float32_softmax_attention(q.astype(BF16), k.astype(BF16), v.astype(BF16), **kwargs)
     assert half.dtype == BF16
+
+
+@pytest.mark.parametrize(("backend", "root"), [("flax.nnx", nnx), ("flax.linen", nn)])
+def test_flax_categories_are_the_core_table(backend, root):
+    """Parity with mpx.CATEGORY_CLASSES: every class named there exists in this Flax (a missing one would be a
+    stale table) and mpx_jax.flax categorises it as the table says."""
+    from mpx.categories import CATEGORY_CLASSES, resolve_categories
+
+    classes = resolve_categories(backend, root)
+    for category, paths in CATEGORY_CLASSES[backend].items():
+        assert [getattr(root, p) for p in paths] == list(classes[category])
+    import mpx_jax.flax as mpx_flax
+
+    resolved = mpx_flax._NNX_CATEGORIES if backend == "flax.nnx" else mpx_flax._LINEN_CATEGORIES
+    assert resolved == classes
