@@ -414,3 +414,20 @@ def test_every_float32_function_is_reached():
     with mpx_torch.autocast("mixed_bfloat16", "cpu"):
         got = {getattr(f, "__qualname__", f): call().dtype for f, call in calls.items()}
     assert set(got.values()) == {torch.float32}, got
+
+
+def test_recompute_takes_a_bool_and_pickles():
+    """``recompute`` (issue 23): a bool; the context pickles with it (its tables are rebuilt)."""
+    import pickle
+
+    with pytest.raises(mpx.MPXError, match="recompute: expected True or False"):
+        mpx_torch.autocast("mixed_bfloat16", "cpu", recompute="yes")
+    ctx = pickle.loads(pickle.dumps(mpx_torch.autocast("mixed_bfloat16", "cpu", recompute=False)))
+    assert ctx.recompute is False
+    x = torch.randn(4, 8, dtype=torch.bfloat16, requires_grad=True)
+    with ctx:
+        y = torch.softmax(x, -1)
+    assert y.dtype == torch.float32 and y.grad_fn.name() != "Float32RecomputeBackward"
+    with mpx_torch.autocast("mixed_bfloat16", "cpu"):
+        z = torch.softmax(x, -1)
+    assert torch.equal(y, z) and z.grad_fn.name() == "Float32RecomputeBackward"

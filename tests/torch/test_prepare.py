@@ -3,6 +3,7 @@
 import copy
 import inspect
 import pickle
+import sys
 import threading
 
 import pytest
@@ -363,3 +364,15 @@ def test_mpx_category_names_a_modules_own_category():
     instance.mpx_category = "norm"
     with pytest.raises(mpx.PolicyError, match="mpx_category 'norm' is not a category"):
         mpx_torch.prepare(instance, "mixed_bfloat16")
+
+
+def test_missing_dynamo_internal_gives_the_one_error(monkeypatch):
+    """prepare reaches dynamo's frame strategy through mpx_torch._compat: a torch without it raises
+    mpx.FrameworkVersionError naming it (#22), never a silent change."""
+    import torch._dynamo.eval_frame as eval_frame
+
+    prepare_module = sys.modules["mpx_torch.prepare"]  # (mpx_torch.prepare is the function)
+    monkeypatch.setattr(prepare_module, "_EAGER_TOP_LEVEL", [])
+    monkeypatch.delattr(eval_frame, "set_code_exec_strategy")
+    with pytest.raises(mpx.FrameworkVersionError, match="torch._dynamo.eval_frame.set_code_exec_strategy"):
+        mpx_torch.prepare(Net(), "mixed_bfloat16")
