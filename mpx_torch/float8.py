@@ -82,7 +82,8 @@ class Float8Linear(nn.Linear):
     (multiply; the GEMM uses the inverse) and ``fp8_amax_history`` (3, L)
     float32, most recent first (L = ``amax_history_len`` under delayed scaling,
     0 under current scaling).  ``fp8_amax`` (3,), not saved, holds the amaxes
-    observed since the last :func:`commit` (-1: none).  ``fp8_recipe`` and
+    observed since the last :func:`commit` (-1: none); a forward in eval mode
+    (``model.eval()``) records none.  ``fp8_recipe`` and
     ``fp8_gemm`` are plain attributes.
 
     The result has the autocast dtype when autocast is on for the input's
@@ -113,7 +114,8 @@ class Float8Linear(nn.Linear):
         amaxes = torch.stack([input.detach().abs().amax(), self.weight.detach().abs().amax()]).to(
             torch.float32
         )
-        pending[:2].copy_(torch.maximum(pending[:2], amaxes))
+        if self.training:  # an eval forward (model.eval()) quantizes with the scales and records nothing
+            pending[:2].copy_(torch.maximum(pending[:2], amaxes))
         if recipe.scaling == "current":
             scales = current_scales(amaxes, 448.0, recipe.margin, recipe.power_of_two)
             x_scale, w_scale = scales[0], scales[1]

@@ -628,3 +628,19 @@ def test_a_long_trace_with_a_grad_scaler_is_float8_update():
         state = float8_update(recipe, state, {"input": a_in, "weight": a_w, "grad": grad}, skipped=skipped)
         assert load_float8_state_dict(float8.float8_state_dict(layer))[1] == state, t
     assert skips > 10
+
+
+def test_an_eval_forward_records_no_amax():
+    layer = convert(nn.Linear(4, 4), "float32,fp8=hybrid,fp8_history=2")
+    _step(layer, 3.0, 1.0, 1.0, k=4, n=4)
+    commit(layer)
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    layer.eval()
+    with torch.no_grad():
+        layer(torch.full((2, 4), 100.0))
+    commit(layer)
+    assert all(torch.equal(v, layer.state_dict()[k]) for k, v in before.items())
+    layer.train()
+    _step(layer, 100.0, 1.0, 1.0, k=4, n=4)
+    commit(layer)
+    assert layer.fp8_amax_history[0].tolist() == [100.0, 3.0]
