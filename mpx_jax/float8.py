@@ -66,6 +66,8 @@ __all__ = [
     "quantize",
     "reduce_amaxes",
     "scale_inv",
+    "update_tensor",
+    "window_max",
 ]
 
 #: The JAX dtypes of the core's FP8 formats.
@@ -297,6 +299,14 @@ def float8_update(
     for name, value in amaxes.items():
         tensors[name] = update_tensor(recipe, tensors[name], value, skipped)
     return Float8State(tensors)
+
+
+def window_max(a: Any, b: Any) -> jax.Array:
+    """Elementwise MAX of amaxes where NaN wins (as :func:`mpx.float8.reduce_amaxes`), compared on the bits
+    (exact for float32 subnormals, which XLA:CPU's float compare flushes): an accumulation window's amax."""
+    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+    out = _float(_order_key(jnp.maximum(_order_key(_bits(a)), _order_key(_bits(b)))))
+    return jnp.where(jnp.isnan(a) | jnp.isnan(b), jnp.float32(jnp.nan), out)
 
 
 def reduce_amaxes(amaxes: Any, axis_name: Any) -> Any:

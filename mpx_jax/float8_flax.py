@@ -163,13 +163,6 @@ def float8_modules(model: nnx.Module) -> Iterator[tuple[str, Float8Linear]]:
             yield ".".join(str(p) for p in path), module
 
 
-def _nan_max(a: jax.Array, b: jax.Array) -> jax.Array:
-    """Elementwise MAX where NaN wins (as the core's reduce), exact for subnormals (compared on the bits)."""
-    ka, kb = f8._order_key(f8._bits(a)), f8._order_key(f8._bits(b))
-    out = f8._float(f8._order_key(jnp.maximum(ka, kb)))
-    return jnp.where(jnp.isnan(a) | jnp.isnan(b), jnp.float32(jnp.nan), out)
-
-
 def _module_amaxes(grads: Any, path: tuple[Any, ...]) -> jax.Array:
     node = grads
     for key in path:
@@ -200,7 +193,7 @@ def commit_float8(
         amaxes = _module_amaxes(amax_grads, path)
         if axis_name is not None:
             amaxes = f8.reduce_amaxes(amaxes, axis_name)
-        window = _nan_max(module.fp8_pending[...], amaxes)
+        window = f8.window_max(module.fp8_pending[...], amaxes)
         scale, hist = module.fp8_scale[...], module.fp8_history[...]
         new_scale, new_hist = [], []
         skipped = jnp.logical_not(jnp.logical_and(boundary, applied))
