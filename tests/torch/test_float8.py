@@ -644,3 +644,23 @@ def test_an_eval_forward_records_no_amax():
     _step(layer, 100.0, 1.0, 1.0, k=4, n=4)
     commit(layer)
     assert layer.fp8_amax_history[0].tolist() == [100.0, 3.0]
+
+
+def test_the_docs_example_runs():
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "fp8.md").read_text()
+    block = text.split("```python\n", 1)[1].split("```", 1)[0]
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.add_module("body", nn.Linear(8, 8))
+    model.add_module("lm_head", nn.Linear(8, 4))
+    namespace = {
+        "model": model,
+        "opt": torch.optim.SGD(model.parameters(), lr=0.1),
+        "data": [torch.randn(2, 8) for _ in range(3)],
+        "loss_fn": lambda out: out.float().square().mean(),
+    }
+    exec(compile(block, "docs/fp8.md", "exec"), namespace)
+    assert isinstance(model.body, Float8Linear) and type(model.lm_head) is nn.Linear
+    assert model.body.fp8_amax_history[0, :3].gt(0).all()  # three steps committed
