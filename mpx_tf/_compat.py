@@ -1,34 +1,45 @@
 """Every Keras and TensorFlow internal mpx_tf uses, in one place, behind one version check.
 
-mpx_tf reaches past Keras's and TensorFlow's public API in a few places: private
-optimizer methods (for the skip, the accumulation window and the reduce dtype),
-``keras.src`` modules (the layer name-scope stack, the dtype-policy name parser,
-the registry of Keras's public names, masks), ``tf.__internal__`` and a
-TensorBoard protobuf.  Each is looked up here and nowhere else.
+Keras's internals (private optimizer methods, ``keras.src`` modules) are
+:mod:`mpx_keras._compat`'s, shared by every Keras backend and re-exported here;
+this module adds TensorFlow's own: ``tf.__internal__`` (``tf.distribute``'s
+merge-call test) and a TensorBoard protobuf.
 
-At import this module checks the installed TensorFlow and Keras against the
-versions mpx is tested with (:func:`mpx.versions.require_version`).  A private
-name that is missing raises :class:`mpx.FrameworkVersionError` from
-:func:`mpx.versions.missing_internal`: the name, what mpx uses it for, and the
-versions mpx supports.  Nothing falls back silently.
-
-Module internals (``keras.src`` modules, ``tf.__internal__``) are looked up at
-import; optimizer and layer members when first used (or, for the optimizer
-methods, when :func:`check_optimizer` runs on a new optimizer).
+At import this module checks the installed TensorFlow (and, through
+:mod:`mpx_keras._compat`, Keras) against the versions mpx is tested with
+(:func:`mpx.versions.require_version`).  A private name that is missing raises
+:class:`mpx.FrameworkVersionError` from :func:`mpx.versions.missing_internal`:
+the name, what mpx uses it for, and the versions mpx supports.  Nothing falls
+back silently.
 """
 
 from __future__ import annotations
 
-import importlib
-import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import keras
 import tensorflow as tf
 
-from mpx.errors import FrameworkVersionError
-from mpx.versions import missing_internal, require_version
+from mpx.versions import require_version
+from mpx_keras._compat import (
+    OPTIMIZER_METHODS,
+    OPTIMIZER_STATE,
+    REGISTERED_NAMES_TO_OBJS,
+    _attribute,
+    _module_attribute,
+    check_optimizer,
+    child_layers,
+    dtype_policy_parse_name,
+    get_keras_mask,
+    is_functional,
+    keras_history_operation,
+    missing,
+    name_scope_stack,
+    optimizer_member,
+    set_dtype_policy_parse_name,
+    set_keras_mask,
+)
 
 __all__ = [
     "OPTIMIZER_METHODS",
@@ -52,56 +63,6 @@ __all__ = [
 require_version("tensorflow", tf.__version__)
 require_version("keras", keras.__version__)
 
-
-def missing(framework: str, name: str, used_for: str) -> FrameworkVersionError:
-    """The error for an internal ``name`` of ``framework`` (``"keras"`` or ``"tensorflow"``) this version lacks."""
-    version = keras.__version__ if framework == "keras" else tf.__version__
-    return missing_internal(framework, version, name, used_for)
-
-
-def _module_attribute(framework: str, module: str, name: str, used_for: str) -> Any:
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError):
-        raise missing(framework, f"{module}.{name}", used_for) from None
-
-
-def _qualified_name(owner: Any) -> str:
-    """``tensorflow`` for a module, ``keras.src...DTypePolicy`` for a class or an instance of it."""
-    if inspect.ismodule(owner):
-        return owner.__name__
-    cls = owner if isinstance(owner, type) else type(owner)
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def _attribute(framework: str, owner: Any, path: str, used_for: str) -> Any:
-    """``owner.<path>`` (a dotted path of attributes); :func:`missing` names ``owner`` and ``path``."""
-    obj = owner
-    for part in path.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise missing(framework, f"{_qualified_name(owner)}.{path}", used_for) from None
-    return obj
-
-
-# -- modules: looked up at import ----------------------------------------------------------------
-_global_state = _module_attribute(
-    "keras", "keras.src.backend.common", "global_state", "the layer name-scope stack (which layer is calling)"
-)
-#: Keras's registry of its public names (``"keras.optimizers.LossScaleOptimizer"`` -> class).
-REGISTERED_NAMES_TO_OBJS: dict[str, Any] = _module_attribute(
-    "keras", "keras.src.api_export", "REGISTERED_NAMES_TO_OBJS", "mpx_tf.load_model's LossScaleOptimizer swap"
-)
-_Functional = _module_attribute(
-    "keras", "keras.src.models.functional", "Functional", "finding a functional model's output layers"
-)
-get_keras_mask: Callable[[Any], Any] = _module_attribute(
-    "keras", "keras.src.backend", "get_keras_mask", "keeping a Keras mask on a cast output"
-)
-set_keras_mask: Callable[[Any, Any], None] = _module_attribute(
-    "keras", "keras.src.backend", "set_keras_mask", "keeping a Keras mask on a cast output"
-)
 strategy_supports_no_merge_call: Callable[[], bool] = _attribute(
     "tensorflow",
     tf,
@@ -111,75 +72,3 @@ strategy_supports_no_merge_call: Callable[[], bool] = _attribute(
 summary_pb2: Any = _module_attribute(
     "tensorflow", "tensorflow.core.framework", "summary_pb2", "TensorBoard scalars of the scaler history"
 )
-
-
-def dtype_policy_parse_name() -> Callable[[Any, Any], tuple[str, str]]:
-    """``keras.DTypePolicy._parse_name``: Keras's parser of dtype-policy names (mpx_tf extends it)."""
-    return _attribute("keras", keras.DTypePolicy, "_parse_name", "reading mpx: dtype-policy names")
-
-
-def set_dtype_policy_parse_name(parse: Callable[[Any, Any], tuple[str, str]]) -> None:
-    """Install ``parse`` as ``keras.DTypePolicy._parse_name`` (after :func:`dtype_policy_parse_name`)."""
-    dtype_policy_parse_name()
-    keras.DTypePolicy._parse_name = parse  # type: ignore[method-assign]
-
-
-def name_scope_stack() -> list[Any]:
-    """Keras's stack of active name scopes (each layer call pushes one whose ``caller`` is the layer)."""
-    return _global_state.get_global_attribute("name_scope_stack") or []
-
-
-def is_functional(model: Any) -> bool:
-    """Whether ``model`` is a Keras functional model (its outputs come from layers of its graph)."""
-    return isinstance(model, _Functional)
-
-
-# -- layers ----------------------------------------------------------------------------------------
-def child_layers(layer: keras.layers.Layer) -> list[keras.layers.Layer]:
-    """The layers directly under ``layer`` (Keras's private ``_flatten_layers``)."""
-    flatten = _attribute("keras", layer, "_flatten_layers", "walking a model's layers (apply_policy, watch)")
-    return list(flatten(include_self=False, recursive=False))
-
-
-def keras_history_operation(tensor: Any) -> Any:
-    """The operation (layer) that produced a symbolic ``KerasTensor`` of a model's graph."""
-    history = _attribute("keras", tensor, "_keras_history", "finding a functional model's output layers")
-    return _attribute("keras", history, "operation", "finding a functional model's output layers")
-
-
-# -- optimizers ------------------------------------------------------------------------------------
-#: Private Keras optimizer methods mpx_tf calls, and what for.  :func:`check_optimizer` checks them
-#: all when a :class:`mpx_tf.LossScaleOptimizer` is built, so a Keras that changed one fails there.
-OPTIMIZER_METHODS: dict[str, str] = {
-    "_overwrite_variable_with_gradient": "LossScaleOptimizer leaving overwrite-with-gradient variables unscaled",
-    "_get_variable_index": "the accumulation window's per-variable accumulators",
-    "_clip_gradients": "the accumulation window's update (the inner optimizer's clipping)",
-    "_apply_weight_decay": "the accumulation window's update (the inner optimizer's weight decay)",
-    "_backend_update_step": "the accumulation window's update (the cross-replica sum and update_step)",
-    "_all_reduce_sum_gradients": "reduce_dtype (the dtype of the cross-replica gradient sum)",
-}
-#: Private Keras optimizer state mpx_tf reads, and what for (present once the optimizer is built).
-OPTIMIZER_STATE: dict[str, str] = {
-    "_iterations": "the accumulation window (micro-batch count, rewound on a skipped window)",
-    "_accumulated_gradients": "the accumulation window (the gradients accumulated so far)",
-    "_trainable_variables": "LossScaleOptimizer.apply without variables (the built optimizer's variables)",
-}
-
-
-def check_optimizer(optimizer: keras.optimizers.Optimizer, names: Sequence[str] | None = None) -> None:
-    """Raise :class:`mpx.FrameworkVersionError` for the first of ``names`` (default every method) it lacks."""
-    for name in OPTIMIZER_METHODS if names is None else names:
-        if not hasattr(optimizer, name):
-            raise missing("keras", f"keras.optimizers.Optimizer.{name}", _used_for(name))
-
-
-def _used_for(name: str) -> str:
-    return OPTIMIZER_METHODS.get(name) or OPTIMIZER_STATE[name]
-
-
-def optimizer_member(optimizer: keras.optimizers.Optimizer, name: str) -> Any:
-    """``optimizer.<name>`` for one of :data:`OPTIMIZER_METHODS` / :data:`OPTIMIZER_STATE`."""
-    try:
-        return getattr(optimizer, name)
-    except AttributeError:
-        raise missing("keras", f"keras.optimizers.Optimizer.{name}", _used_for(name)) from None

@@ -1,176 +1,21 @@
-"""Keras dtype-policy names that carry a layer's mpx choices, so ``keras.models.load_model`` restores them.
+"""Moved to :mod:`mpx_keras.dtype_policy` (backend-neutral, #24); re-exported for existing imports."""
 
-Keras 3 saves a layer's dtype policy by name only (``Operation.from_config``
-turns a saved ``DTypePolicy`` back into its name), does not save the layer's
-``autocast`` flag, and a functional model's config has no dtype at all.  A
-model given its policies by :func:`mpx_tf.apply_policy` would load computing
-differently: a LayerNormalization rounding through float16 again, a GELU
-computing in float16.
+from mpx_keras.dtype_policy import (
+    NAME_PREFIX,
+    LayerChoices,
+    cast_output,
+    choices_of,
+    install_layer_hook,
+    mpx_name,
+    parse_name,
+)
 
-So :func:`mpx_tf.apply_policy` gives each layer a plain ``keras.DTypePolicy``
-whose name says everything::
-
-    mpx:params=float32,compute=float16,output=float32;autocast=off;model_output=float32
-
-the layer's mpx policy (the op table in its ``call`` follows it), then
-optionally its autocast choice (``on``: Keras casts floating inputs to the
-compute dtype; ``off``: they keep theirs) and the dtype its outputs are cast
-to (``output``, on the model) or cast to when they run inside another layer
-(``model_output``, on the layers producing a Sequential or functional
-model's outputs: Keras reloads those models without their own dtype).  Keras computes
-the compute and variable dtypes from the name through the parser mpx_tf
-installs (:func:`parse_name`), so loading needs ``import mpx_tf`` first.
-
-The one hook mpx adds to Keras: ``keras.layers.Layer.__call__`` is wrapped
-(once, at import) so that a layer whose policy has such a name takes its
-autocast flag from it and casts its outputs.  Other layers run Keras's
-``__call__`` unchanged.
-"""
-
-from __future__ import annotations
-
-import functools
-from typing import Any, NamedTuple
-
-import keras
-import tensorflow as tf
-
-import mpx
-from mpx.errors import PolicyError
-from mpx_tf import _compat
-
-__all__ = ["LayerChoices", "NAME_PREFIX", "choices_of", "mpx_name", "parse_name"]
-
-#: The prefix of the Keras dtype-policy names mpx adds.
-NAME_PREFIX = "mpx:"
-_AUTOCAST = {"on": True, "off": False}
-
-
-class LayerChoices(NamedTuple):
-    """What an mpx dtype-policy name says about a layer."""
-
-    #: the layer's mpx policy
-    policy: mpx.Policy
-    #: its autocast flag, or None (the layer keeps its own)
-    autocast: bool | None
-    #: the dtype its outputs are cast to, or None
-    output: str | None
-    #: the dtype its outputs are cast to when it runs inside another layer (it produces a model's outputs)
-    model_output: str | None = None
-
-
-def mpx_name(
-    policy: mpx.PolicySpec,
-    autocast: bool | None = None,
-    output: str | None = None,
-    model_output: str | None = None,
-) -> str:
-    """The Keras dtype-policy name of a layer's mpx policy and choices (see :class:`LayerChoices`).
-
-    >>> mpx_name("mixed_float16", autocast=False)
-    'mpx:params=float32,compute=float16,output=float32;autocast=off'
-    """
-    name = NAME_PREFIX + str(mpx.get_policy(policy))
-    if autocast is not None:
-        name += ";autocast=" + ("on" if autocast else "off")
-    if output is not None:
-        name += ";output=" + mpx.canonical_dtype(output, field="output")
-    if model_output is not None:
-        name += ";model_output=" + mpx.canonical_dtype(model_output, field="model_output")
-    return name
-
-
-@functools.lru_cache(maxsize=1024)
-def parse_name(name: str) -> LayerChoices:
-    """The choices an ``"mpx:..."`` name holds.
-
-    Raises:
-        PolicyError: naming the part that is not a policy spec, ``autocast=on|off`` or ``output=DTYPE``.
-    """
-    if not name.startswith(NAME_PREFIX):
-        raise PolicyError(f"dtype policy name {name!r}: expected it to start with {NAME_PREFIX!r}")
-    spec, *extras = name[len(NAME_PREFIX) :].split(";")
-    try:
-        policy = mpx.get_policy(spec)
-    except PolicyError as err:
-        raise PolicyError(f"dtype policy name {name!r}: {err}") from None
-    autocast = None
-    outputs: dict[str, str] = {}
-    for extra in extras:
-        key, _, value = extra.partition("=")
-        if key == "autocast" and value in _AUTOCAST:
-            autocast = _AUTOCAST[value]
-        elif key in ("output", "model_output"):
-            try:
-                outputs[key] = mpx.canonical_dtype(value, field=key)
-            except mpx.MPXError as err:
-                raise PolicyError(f"dtype policy name {name!r}: {err}") from None
-        else:
-            raise PolicyError(
-                f"dtype policy name {name!r}: {extra!r} is not understood; "
-                "allowed: autocast=on|off, output=DTYPE, model_output=DTYPE"
-            )
-    return LayerChoices(policy, autocast, outputs.get("output"), outputs.get("model_output"))
-
-
-def choices_of(dtype_policy: Any) -> LayerChoices | None:
-    """The mpx choices of a Keras dtype policy, or None for a policy without an mpx name."""
-    name = getattr(dtype_policy, "name", None)  # None: a layer without a dtype policy
-    if isinstance(name, str) and name.startswith(NAME_PREFIX):
-        return parse_name(name)
-    return None
-
-
-def cast_output(x: Any, dtype: str) -> Any:
-    """``x`` cast to ``dtype`` when it is a floating tensor (its Keras mask kept)."""
-    if isinstance(x, keras.KerasTensor):
-        if keras.backend.is_float_dtype(x.dtype) and x.dtype != dtype:
-            return keras.ops.cast(x, dtype)
-        return x
-    if isinstance(x, (tf.Tensor, tf.Variable)) and x.dtype.is_floating and x.dtype.name != dtype:
-        mask = _compat.get_keras_mask(x)
-        y = tf.cast(x, dtype)
-        if mask is not None:
-            _compat.set_keras_mask(y, mask)
-        return y
-    return x
-
-
-def _install() -> None:
-    original_parse = _compat.dtype_policy_parse_name()
-    if not getattr(original_parse, "_mpx_tf", False):
-
-        def _parse_name(self: keras.DTypePolicy, name: Any) -> tuple[str, str]:
-            if isinstance(name, str) and name.startswith(NAME_PREFIX):
-                policy = parse_name(name).policy
-                return policy.compute_dtype, policy.param_dtype
-            return original_parse(self, name)
-
-        _parse_name._mpx_tf = True  # type: ignore[attr-defined]
-        _compat.set_dtype_policy_parse_name(_parse_name)
-
-    original_call = keras.layers.Layer.__call__
-    if getattr(original_call, "_mpx_tf", False):
-        return
-
-    @functools.wraps(original_call)
-    def __call__(self: keras.layers.Layer, *args: Any, **kwargs: Any) -> Any:
-        choices = choices_of(self.dtype_policy)
-        if choices is None:
-            return original_call(self, *args, **kwargs)
-        if choices.autocast is not None and self.autocast is not choices.autocast:
-            self.autocast = choices.autocast
-        dtype = choices.output
-        if dtype is None and choices.model_output is not None and _compat.name_scope_stack():
-            dtype = choices.model_output  # inside the model (loaded: its own dtype was not saved)
-        outputs = original_call(self, *args, **kwargs)
-        if dtype is not None and "_mpx_original_call" not in self.__dict__:
-            # apply_policy's wrapper of the model's `call` casts; a loaded model has none
-            outputs = keras.tree.map_structure(lambda x: cast_output(x, dtype), outputs)
-        return outputs
-
-    __call__._mpx_tf = True  # type: ignore[attr-defined]
-    keras.layers.Layer.__call__ = __call__  # type: ignore[method-assign]
-
-
-_install()
+__all__ = [
+    "LayerChoices",
+    "NAME_PREFIX",
+    "cast_output",
+    "choices_of",
+    "install_layer_hook",
+    "mpx_name",
+    "parse_name",
+]

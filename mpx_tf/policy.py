@@ -1,33 +1,39 @@
-"""mpx policies as Keras 3 dtype policies: the global policy, scopes, per-layer overrides.
+"""mpx policies as Keras 3 dtype policies: :mod:`mpx_keras.policy` (backend-neutral, #24), re-exported.
 
-Keras gives every layer one ``DTypePolicy`` (a compute dtype and a variable
-dtype) and one global default.  An mpx policy says more: its overrides keep
-normalization and softmax layers in float32 and its outputs come out in
-``output_dtype``.  :func:`set_global_policy` and :func:`policy_scope` set the
-Keras default from an mpx policy (so new layers take the compute and param
-dtypes); :func:`apply_policy` walks a built model and gives each layer the
-policy that :meth:`mpx.Policy.for_module` picks for it.
+On TensorFlow, mpx_tf plugs its op table for functional code (:mod:`mpx_tf.autocast`)
+into these policies: :func:`set_global_policy`, :func:`policy_scope` and
+:func:`apply_policy` then also decide which op table user code's ``keras.ops``
+and ``tf`` calls follow.
 """
 
-from __future__ import annotations
+import importlib
 
-import contextlib
-import threading
-from collections.abc import Iterator
-from typing import Any
+from mpx_keras import policy as _policy
+from mpx_keras.policy import (
+    CATEGORY_LAYERS,
+    LAYER_TABLE,
+    NAME_PREFIX,
+    NORMALIZATION_LAYERS,
+    active_global_policy,
+    active_global_rule,
+    apply_policy,
+    category_of,
+    get_global_policy,
+    keras_dtype_policy,
+    op_of,
+    policy_scope,
+    set_global_policy,
+)
 
-import keras
-import tensorflow as tf
-
-import mpx
-from mpx.errors import MPXError, PolicyError, UnsupportedTypeError
-from mpx_tf import _compat
-from mpx_tf.autocast import LAYER_TABLE, Rule, check_op_table, nested_rule
-from mpx_tf.autocast import enable as _enable_autocast
-from mpx_tf.dtype_policy import NAME_PREFIX, cast_output, mpx_name
+_walk = _policy._walk  # the one walk of a model's layers (tests read it here)
+_autocast = importlib.import_module("mpx_tf.autocast")  # the module (mpx_tf.autocast is also a function)
+_policy.set_op_table_hooks(nested_rule=_autocast.nested_rule, enable=_autocast.enable, hold=_autocast.hold)
 
 __all__ = [
+    "CATEGORY_LAYERS",
+    "LAYER_TABLE",
     "NAME_PREFIX",
+    "NORMALIZATION_LAYERS",
     "active_global_policy",
     "active_global_rule",
     "apply_policy",
@@ -38,364 +44,3 @@ __all__ = [
     "policy_scope",
     "set_global_policy",
 ]
-
-
-def keras_dtype_policy(policy: mpx.PolicySpec) -> keras.DTypePolicy:
-    """The Keras ``DTypePolicy`` with the policy's compute dtype and param (variable) dtype.
-
-    Keras's own names where it has one (``float32``, ``mixed_bfloat16``...),
-    else ``"mpx:params=P,compute=C"``.
-
-    >>> keras_dtype_policy("mixed_float16").name
-    'mixed_float16'
-    >>> keras_dtype_policy("bf16-true").name
-    'bfloat16'
-    >>> p = keras_dtype_policy("params=float16,compute=float32")
-    >>> p.variable_dtype, p.compute_dtype
-    ('float16', 'float32')
-    """
-    p = mpx.get_policy(policy)
-    params, compute = p.param_dtype, p.compute_dtype
-    if params == compute:
-        return keras.DTypePolicy(params)
-    if params == "float32" and compute in ("float16", "bfloat16"):
-        return keras.DTypePolicy(f"mixed_{compute}")
-    return keras.DTypePolicy(f"{NAME_PREFIX}params={params},compute={compute}")
-
-
-def _device() -> str:
-    """Where Keras computes: ``"gpu"`` when TensorFlow sees a GPU, else ``"cpu"``."""
-    return "gpu" if tf.config.list_logical_devices("GPU") else "cpu"
-
-
-# -- the global policy ------------------------------------------------------------
-# Keras keeps its global dtype policy per thread; mpx's policy (which says more:
-# overrides, output dtype) rides along, remembered with the Keras object it set.
-_local = threading.local()
-
-
-def set_global_policy(policy: mpx.PolicySpec, *, op_table: mpx.OpTable | None = None) -> mpx.Policy:
-    """Make ``policy`` Keras's global dtype policy; returns the mpx policy.
-
-    Layers created afterwards compute in the policy's compute dtype and keep
-    their variables in its param dtype.  Per-layer overrides (norms and
-    softmax in float32) and the output dtype need :func:`apply_policy` on
-    the built model: Keras has no global hook for them.  User code's
-    ``keras.ops``/``tf`` calls follow ``op_table`` (keyword only; default None:
-    :data:`mpx.OP_TABLE`) under it, as in :func:`mpx_tf.autocast`.
-
-    Raises:
-        PolicyError: for a spec :func:`mpx.get_policy` cannot read.
-        MPXError: for an ``op_table`` that is not an :class:`mpx.OpTable`.
-    """
-    p = mpx.get_policy(policy)
-    table = check_op_table(op_table)
-    _set_global(Rule(p, table), stacklevel=4)
-    return p
-
-
-def _set_global(rule: Rule, stacklevel: int) -> None:
-    kp = keras_dtype_policy(rule.policy)
-    mpx.warn_if_slow("tf", rule.policy, _device(), stacklevel=stacklevel)
-    keras.config.set_dtype_policy(kp)
-    _local.current = (rule, keras.config.dtype_policy())
-    _enable_autocast()
-
-
-def active_global_rule() -> Rule | None:
-    """The op-table rule of the policy :func:`set_global_policy` (or :func:`policy_scope`) set, while
-    Keras's global policy is still the one it set; else None.
-
-    This is what :func:`mpx_tf.autocast`'s op table falls back on outside any ``autocast`` scope.
-    """
-    current = getattr(_local, "current", None)
-    if current is not None and current[1] is keras.config.dtype_policy():
-        return current[0]
-    return None
-
-
-def active_global_policy() -> mpx.Policy | None:
-    """The policy of :func:`active_global_rule`, or None."""
-    rule = active_global_rule()
-    return None if rule is None else rule.policy
-
-
-def get_global_policy() -> mpx.Policy:
-    """The mpx policy last set by :func:`set_global_policy`, or one read from Keras's global policy."""
-    rule = active_global_rule()
-    return _from_keras(keras.config.dtype_policy()) if rule is None else rule.policy
-
-
-def _from_keras(kp: keras.DTypePolicy) -> mpx.Policy:
-    if kp.name in mpx.PRESETS:
-        return mpx.PRESETS[kp.name]
-    try:
-        return mpx.Policy(kp.variable_dtype, kp.compute_dtype, kp.variable_dtype)
-    except MPXError as err:
-        raise PolicyError(f"Keras's global dtype policy {kp.name!r} has no mpx equivalent: {err}") from None
-
-
-@contextlib.contextmanager
-def policy_scope(policy: mpx.PolicySpec, *, op_table: mpx.OpTable | None = None) -> Iterator[mpx.Policy]:
-    """Set the global policy inside a ``with`` block, restoring the previous one on exit (errors too).
-
-    ``op_table`` (keyword only; default None: :data:`mpx.OP_TABLE`) is the op
-    table user code follows inside, as :func:`set_global_policy`'s.  A float32
-    scope (a policy that does not lower precision) nested in a mixed one forces
-    float32: new layers compute in float32, and LOWER and FLOAT32 ops of user
-    code compute half inputs in float32, as in :func:`mpx_tf.autocast`.
-
-    >>> with policy_scope("mixed_bfloat16") as p:
-    ...     keras.layers.Dense(2).compute_dtype
-    'bfloat16'
-    >>> keras.config.dtype_policy().name
-    'float32'
-    """
-    p = mpx.get_policy(policy)  # a bad spec or table raises before anything changes
-    table = check_op_table(op_table)
-    previous_keras = keras.config.dtype_policy()
-    previous = getattr(_local, "current", None)
-    try:
-        _set_global(nested_rule(p, table), stacklevel=5)
-        yield p
-    finally:
-        keras.config.set_dtype_policy(previous_keras)
-        _local.current = previous
-
-
-# -- per-layer policies -------------------------------------------------------------
-def _classes(*names: str) -> tuple[type, ...]:
-    return tuple(getattr(keras.layers, n) for n in names if hasattr(keras.layers, n))
-
-
-#: Per category, the Keras layer classes in it: the core's one table (:data:`mpx.CATEGORY_CLASSES`,
-#: ``"keras"``, below ``keras.layers``), resolved against this Keras.
-CATEGORY_LAYERS: dict[str, tuple[type, ...]] = mpx.resolve_categories("keras", keras.layers)
-#: Layer classes of the ``normalization`` category (those this Keras has).
-NORMALIZATION_LAYERS: tuple[type, ...] = CATEGORY_LAYERS["normalization"]
-_SOFTMAX_ACTIVATIONS = ("softmax", "log_softmax")
-
-
-def _activation_name(fn: Any) -> str | None:
-    if isinstance(fn, str):
-        return fn
-    try:
-        name = keras.activations.serialize(fn)
-    except Exception:
-        return getattr(fn, "__name__", None)
-    return name if isinstance(name, str) else getattr(fn, "__name__", None)
-
-
-def category_of(layer: keras.layers.Layer) -> str | None:
-    """The mpx category of a Keras layer: ``normalization``, ``softmax``, ``loss`` or None.
-
-    The core's two rules (:func:`mpx.category_of`): a layer (class or instance)
-    with an ``mpx_category`` attribute names its own category, for example a
-    custom layer that computes a loss; otherwise the core's class table
-    (:data:`CATEGORY_LAYERS`: the normalization layers, ``Softmax``).  One rule is
-    Keras's own, as it depends on the instance: ``Activation("softmax" |
-    "log_softmax")`` is ``softmax``.  A ``Dense(..., activation="softmax")`` is a
-    Dense layer: its softmax runs in the compute dtype; use a separate
-    ``Activation("softmax")`` layer to have mpx keep it in float32.
-
-    Raises:
-        PolicyError: for an ``mpx_category`` that is not a category.
-    """
-    category = mpx.category_of(layer, CATEGORY_LAYERS)
-    if category is None and isinstance(layer, keras.layers.Activation):
-        if _activation_name(layer.activation) in _SOFTMAX_ACTIVATIONS:
-            return "softmax"
-    return category
-
-
-#: Keras layers that compute one canonical op of the mpx op table.
-_LAYER_OPS: tuple[tuple[tuple[type, ...], str], ...] = (
-    (_classes("ReLU"), "relu"),
-    (_classes("MaxPooling1D", "MaxPooling2D", "MaxPooling3D"), "max_pool"),
-    (_classes("Reshape", "Flatten"), "reshape"),
-    (_classes("Permute"), "transpose"),
-    (_classes("Dropout", "SpatialDropout1D", "SpatialDropout2D", "SpatialDropout3D"), "dropout"),
-    (_classes("Add"), "add"),
-    (_classes("Multiply"), "mul"),
-    (_classes("Concatenate"), "cat"),
-)
-_ACTIVATION_OPS = {"relu": "relu", "gelu": "gelu"}
-
-
-def op_of(layer: keras.layers.Layer) -> str | None:
-    """The canonical op (``mpx.OP_TABLE`` name) a layer computes, where it computes just one."""
-    for classes, op in _LAYER_OPS:
-        if classes and isinstance(layer, classes):
-            return op
-    if isinstance(layer, keras.layers.Activation):
-        return _ACTIVATION_OPS.get(_activation_name(layer.activation) or "")
-    return None
-
-
-def _walk(root: keras.layers.Layer) -> Iterator[tuple[str, keras.layers.Layer]]:
-    """(dotted path, layer) for every layer under ``root``, each once, parents first."""
-    seen: set[int] = set()
-    stack: list[tuple[str, keras.layers.Layer]] = [("", root)]
-    while stack:
-        path, layer = stack.pop()
-        if id(layer) in seen:
-            continue
-        seen.add(id(layer))
-        yield path, layer
-        kids = _compat.child_layers(layer)
-        for child in reversed(kids):
-            stack.append((f"{path}.{child.name}" if path else child.name, child))
-
-
-def _own_float_variables(layer: keras.layers.Layer) -> list[Any]:
-    below = {id(v) for child in _compat.child_layers(layer) for v in child.weights}
-    return [
-        v
-        for v in layer.weights
-        if id(v) not in below and keras.backend.is_float_dtype(keras.backend.standardize_dtype(v.dtype))
-    ]
-
-
-def apply_policy(
-    model: keras.layers.Layer, policy: mpx.PolicySpec | None = None, *, op_table: mpx.OpTable | None = None
-) -> keras.layers.Layer:
-    """Give every layer of ``model`` its mpx policy; the model's outputs come out in ``output_dtype``.
-
-    Each layer gets the Keras dtype policy of ``policy.for_module(path,
-    category)``, where ``path`` joins the layer names from the model down
-    (``"encoder.layer_norm"``) and ``category`` is :func:`category_of`.  So
-    under ``mixed_float16`` a ``LayerNormalization`` computes in float32 (its
-    float16 inputs cast up by Keras) while ``Dense`` computes in float16.
-    Sequential, functional and subclassed models work, nested models too;
-    the model is changed in place and returned.  Variables are never
-    converted: a layer already built with variables of another dtype than
-    the param dtype raises (create the model under :func:`policy_scope`).
-
-    Args:
-        model: a Keras model or layer (built or not).
-        policy: a policy or spec; None uses :func:`get_global_policy`.
-        op_table: keyword only; the op classes the layers follow (default None:
-            :data:`mpx.OP_TABLE`): the autocast flag of layers that compute one op
-            (``ReLU``, ``Add``...) and the op table of ``keras.ops``/``tf`` calls in
-            every layer's ``call``.  It is kept on the layers, not saved: a model
-            loaded with ``keras.models.load_model`` follows :data:`mpx.OP_TABLE`
-            (call ``apply_policy`` again with the table).
-
-    Raises:
-        PolicyError: for a bad spec, or a built layer whose variables are not
-            in the param dtype the policy assigns it.
-        UnsupportedTypeError: when ``model`` is not a Keras layer or model.
-        MPXError: for an ``op_table`` that is not an :class:`mpx.OpTable`.
-    """
-    if not isinstance(model, keras.layers.Layer):
-        raise UnsupportedTypeError(f"model: expected a Keras model or layer, got {type(model).__name__}.")
-    p = get_global_policy() if policy is None else mpx.get_policy(policy)
-    table = check_op_table(op_table)
-    mpx.warn_if_slow("tf", p, _device(), stacklevel=3)
-    _enable_autocast()
-    outputs = {id(layer) for layer in _output_layers(model)}
-    for path, layer in _walk(model):
-        if layer is not model:
-            _remove_output_cast(layer)
-        if isinstance(layer, keras.layers.InputLayer):
-            continue
-        if not keras.backend.is_float_dtype(layer.compute_dtype):
-            continue  # integer / string preprocessing layers keep their dtype
-        category = category_of(layer)
-        lp = p.for_module(path, category)
-        for v in _own_float_variables(layer):
-            if keras.backend.standardize_dtype(v.dtype) != lp.param_dtype:
-                raise PolicyError(
-                    f"layer {path or layer.name!r}: its variable {v.path!r} is {v.dtype} but the policy "
-                    f"stores params in {lp.param_dtype}; mpx_tf does not convert built variables: "
-                    "create the model under mpx_tf.policy_scope(policy) (or set_global_policy) first"
-                )
-        autocast = None
-        if category is not None:
-            # Keras's LayerNormalization turns autocast off and rounds its output
-            # through the input dtype; with it on, Keras casts the half inputs
-            # up to the layer's compute dtype before call().
-            autocast = True
-        op = op_of(layer)
-        if (
-            op is not None
-            and op in table
-            and table.classify(op, lp) in (mpx.OpClass.PASSTHROUGH, mpx.OpClass.PROMOTE)
-        ):
-            # Keras casts every layer's floating inputs to its compute dtype; the op
-            # table says these ops keep their input dtype (or promote mixed inputs).
-            autocast = False
-        if autocast is not None:
-            layer.autocast = autocast
-        # The policy's name carries what Keras does not save (the mpx policy, the
-        # autocast flag, the output dtype), so load_model restores all of it.
-        output = p.output_dtype if layer is model else None
-        model_output = p.output_dtype if id(layer) in outputs else None
-        layer.dtype_policy = keras.DTypePolicy(mpx_name(lp, autocast, output, model_output))
-        if table is mpx.OP_TABLE:
-            layer.__dict__.pop(LAYER_TABLE, None)
-        else:  # untracked: Keras neither tracks nor saves it
-            layer.__dict__[LAYER_TABLE] = table
-    _install_output_cast(model, p.output_dtype)
-    for name in ("train_function", "test_function", "predict_function"):
-        if getattr(model, name, None) is not None:  # traced under the old dtypes
-            setattr(model, name, None)
-    return model
-
-
-def _output_layers(model: keras.layers.Layer) -> list[keras.layers.Layer]:
-    """The layers whose outputs are a Sequential or functional model's outputs (Keras does not reload their root's dtype)."""
-    if isinstance(model, keras.Sequential):
-        return model.layers[-1:]
-    if not _compat.is_functional(model):
-        return []
-    found = []
-    for tensor in keras.tree.flatten(model.outputs):
-        operation = _compat.keras_history_operation(tensor)
-        if isinstance(operation, keras.layers.Layer):
-            found.append(operation)
-    return found
-
-
-# -- the output cast -------------------------------------------------------------------
-# Keras has no forward hooks; the outermost model's `call` is wrapped on the
-# instance (its class, config and saved file are untouched), as torch's
-# forward hook would be.  Applying again replaces the wrapper.
-_ORIGINAL = "_mpx_original_call"
-_ORIGINAL_SPEC = "_mpx_original_compute_output_spec"
-
-
-def _cast_output(x: Any, dtype: str) -> Any:
-    return x if isinstance(x, keras.KerasTensor) else cast_output(x, dtype)
-
-
-def _cast_spec(x: Any, dtype: str) -> Any:
-    if isinstance(x, keras.KerasTensor) and keras.backend.is_float_dtype(x.dtype) and x.dtype != dtype:
-        return keras.KerasTensor(x.shape, dtype=dtype, sparse=x.sparse, ragged=x.ragged)
-    return x
-
-
-def _remove_output_cast(layer: keras.layers.Layer) -> None:
-    if _ORIGINAL in layer.__dict__:
-        del layer.__dict__["call"]
-        del layer.__dict__[_ORIGINAL]
-        del layer.__dict__["compute_output_spec"]
-        del layer.__dict__[_ORIGINAL_SPEC]
-
-
-def _install_output_cast(model: keras.layers.Layer, dtype: str) -> None:
-    _remove_output_cast(model)
-    call, spec = model.call, model.compute_output_spec
-
-    def cast_call(*args: Any, **kwargs: Any) -> Any:
-        return keras.tree.map_structure(lambda x: _cast_output(x, dtype), call(*args, **kwargs))
-
-    def cast_spec(*args: Any, **kwargs: Any) -> Any:
-        return keras.tree.map_structure(lambda x: _cast_spec(x, dtype), spec(*args, **kwargs))
-
-    for name, fn, original in (("call", cast_call, call), ("compute_output_spec", cast_spec, spec)):
-        fn.__wrapped__ = original  # keeps inspect.signature(model.call) for Keras
-        fn.__doc__ = original.__doc__
-        model.__dict__[name] = fn
-    model.__dict__[_ORIGINAL] = call
-    model.__dict__[_ORIGINAL_SPEC] = spec

@@ -1,0 +1,51 @@
+"""mpx for Keras 3 on any backend (``KERAS_BACKEND=tensorflow|jax|torch``): policies and loss scaling.
+
+>>> import keras, mpx_keras
+>>> with mpx_keras.policy_scope("mixed_float16"):
+...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.LayerNormalization()])
+>>> model = mpx_keras.apply_policy(model, "mixed_float16")
+>>> [layer.compute_dtype for layer in model.layers]
+['float16', 'float32']
+>>> optimizer = mpx_keras.LossScaleOptimizer(keras.optimizers.Adam())
+>>> optimizer.get_scale(), optimizer.state.steps
+(65536.0, 0)
+
+It imports only Keras and mpx's core (and the backend Keras runs on); importing
+it replaces no ``keras.ops``/``keras.losses`` function and leaves
+``keras.layers.Layer.__call__`` as it is (the one thing installed is Keras's
+dtype-policy name parser learning ``mpx:`` names, :mod:`mpx_keras.dtype_policy`).
+A Keras older than mpx is tested with raises :class:`mpx.FrameworkVersionError`;
+every Keras internal is reached through :mod:`mpx_keras._compat`.  On
+TensorFlow, :mod:`mpx_tf` adds ``tf.distribute``, gradient accumulation, the
+reduce dtype, TensorBoard history and the op table for functional code.
+"""
+
+from mpx_keras import _compat  # noqa: F401  (the Keras version check, first)
+from mpx_keras.dtype_policy import NAME_PREFIX
+from mpx_keras.loss_scale_optimizer import LossScaleOptimizer
+from mpx_keras.monitor import LossScaleMonitor, ModelCheck, UnscaledFloat16Warning, check_model
+from mpx_keras.policy import (
+    apply_policy,
+    category_of,
+    get_global_policy,
+    keras_dtype_policy,
+    op_of,
+    policy_scope,
+    set_global_policy,
+)
+
+__all__ = [
+    "LossScaleMonitor",
+    "LossScaleOptimizer",
+    "ModelCheck",
+    "NAME_PREFIX",
+    "UnscaledFloat16Warning",
+    "apply_policy",
+    "category_of",
+    "check_model",
+    "get_global_policy",
+    "keras_dtype_policy",
+    "op_of",
+    "policy_scope",
+    "set_global_policy",
+]
