@@ -29,6 +29,8 @@ The documented output is ``DIR/bench.json`` (format ``"mpx.bench/1"``):
   ``stats.TARGET_HELP``), ``meets_target``, ``warning`` (when the pairs spread wider than what the ratio shows);
 * ``warnings``: a busy machine (load average above half the cores) and every noisy comparison;
 * ``backends[NAME].threads``: the framework's thread pools where it reports them (torch, TensorFlow).
+* ``backends.torch.hf_activations``: saved-activation bytes of HF GPT-2 and Llama (2 blocks, hidden 128,
+  sequence 256) in float32, under native autocast and under mpx, with ``mpx/native``.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from mpx_torch.diagnostics import underflow_stats, watch
 from mpx_torch.distributed import fsdp_mixed_precision, fully_shard, register_comm_hook
 from mpx_torch.grad_scaler import GradScaler
 from mpx_torch.history import log_history
-from mpx_torch.prepare import module_category, prepare
+from mpx_torch.prepare import module_category, prepare, prepared_policy
 
 __all__ = [
     "GradScaler",
@@ -32,6 +32,7 @@ __all__ = [
     "log_history",
     "module_category",
     "prepare",
+    "prepared_policy",
     "register_comm_hook",
     "to_torch_dtype",
     "underflow_stats",

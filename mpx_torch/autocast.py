@@ -69,10 +69,7 @@ def _default_device_type() -> str:
     if _compiling():
         context = getattr(_compat.global_device_context(), "device_context", None)
         return "cpu" if context is None else torch.device(context.device).type
-    try:
-        return torch.get_default_device().type
-    except AttributeError:  # torch < 2.3
-        return "cpu"
+    return torch.get_default_device().type
 
 
 def candidate_device_types() -> tuple[str, ...]:
@@ -107,22 +104,11 @@ def _device_types(device_type: str | torch.device | Sequence[str] | None) -> tup
 
 
 def _autocast_enabled(device_type: str) -> bool:
-    try:
-        return bool(torch.is_autocast_enabled(device_type))
-    except TypeError:  # torch < 2.4 takes no argument
-        if device_type == "cpu":
-            return bool(torch.is_autocast_cpu_enabled())
-        return device_type == "cuda" and bool(torch.is_autocast_enabled())
+    return bool(torch.is_autocast_enabled(device_type))
 
 
 def _set_autocast_enabled(device_type: str, enabled: bool) -> None:
-    try:
-        torch.set_autocast_enabled(device_type, enabled)
-    except TypeError:  # torch < 2.4
-        if device_type == "cpu":
-            torch.set_autocast_cpu_enabled(enabled)
-        else:
-            torch.set_autocast_enabled(enabled)
+    torch.set_autocast_enabled(device_type, enabled)
 
 
 @contextlib.contextmanager
