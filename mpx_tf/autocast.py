@@ -12,14 +12,36 @@ policy says.  :func:`autocast` is a scope in which the public ``keras.ops.*``,
 - PROMOTE ops (add, multiply, concatenate, stack, where) return the widest
   floating input; PASSTHROUGH ops are not touched.
 
-The mechanism is Python-level dispatch: mpx_tf replaces those functions in
-their public namespaces (once, at import) by thin wrappers that, when a policy
-is active and the call comes from user code, cast the floating arguments and
-call the original.  Calls from Keras's and TensorFlow's own modules (a Keras
-``Dense`` calling ``tf.matmul``) pass straight through, so Keras's layers keep
-following their dtype policies.  The wrappers only run in Python: inside
-``tf.function`` (and so in ``model.fit``) they run once, at trace time, and
-the traced graph holds nothing but the casts.
+The mechanism is Python-level dispatch, installed only while a policy needs
+it: importing mpx_tf replaces nothing.  While at least one *hold* is taken
+(an :func:`autocast` or :func:`mpx_tf.policy_scope` scope of a policy that
+lowers precision or forces float32, :func:`mpx_tf.set_global_policy` of such a
+policy in some thread, or the ``call`` of a layer :func:`mpx_tf.apply_policy`
+gave a lowering policy), those public functions are replaced in their
+namespaces by thin wrappers; when the last hold is given back (on scope exit,
+errors too; reference-counted under a lock, so threads share one install)
+every original is put back and each of them is again identical (``is``) to
+Keras's or TensorFlow's own.  Wrappers only run in Python: inside
+``tf.function`` (and so in ``model.fit``) they run once, at trace time, and the
+traced graph holds nothing but the casts.  A function reference taken before
+the scope (``from keras.ops import softmax`` at import) is Keras's own and
+never follows the table: call ``keras.ops.softmax`` (looked up at the call),
+or decorate your own function with :func:`autocast_op`.
+
+Which calls follow the table: **user code only**.  A call is user code when
+the first frame above the op, looking through at most
+:data:`MAX_TRACING_FRAMES` frames of TensorFlow's tracing machinery (AutoGraph,
+``tf.function``), is from a file that belongs to no installed library: not a
+module of :data:`LIBRARY_PACKAGES` (Keras, TensorFlow, keras-hub, keras-nlp,
+keras-cv...), not under a ``site-packages``/``dist-packages`` directory or the
+standard library, and not mpx's own packages.  Code typed in (``<stdin>``,
+doctests, notebooks) is user code.  Each file's kind is decided once and
+cached, so the check is one frame lookup per call (plus the tracing frames
+inside ``tf.function``).  So a library layer's explicit dtype choices survive
+the op table: keras-hub's attention matmuls compute in the layer's compute
+dtype as natively, and Llama's float32 rotary embedding stays float32, even
+inside a layer given an mpx policy.  A project installed into site-packages
+(not editable) is library code too: its ops follow the layers' own dtypes.
 
 Which policy applies, innermost first:
 
@@ -56,7 +78,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
+import os
+import site
 import sys
+import sysconfig
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple, TypeVar
@@ -67,6 +93,7 @@ import tensorflow as tf
 import mpx
 from mpx.errors import MPXError
 from mpx.ops import OpClass, OpTable
+from mpx_keras import dtype_policy as _dtype_policy
 from mpx_tf import _compat
 from mpx_tf.dtype_policy import choices_of
 
@@ -74,12 +101,20 @@ __all__ = [
     "KERAS_OPS",
     "LOSS_FUNCTIONS",
     "TF_OPS",
+    "LIBRARY_PACKAGES",
+    "MAX_TRACING_FRAMES",
     "Rule",
+    "acquire",
     "active_rule",
     "autocast",
     "autocast_op",
     "check_op_table",
+    "from_user_code",
+    "hold",
+    "holding",
+    "holds",
     "nested_rule",
+    "release",
     "wrapped_functions",
 ]
 
@@ -157,27 +192,157 @@ TF_OPS: dict[str, str] = {
     "concat": "cat", "stack": "stack", "where": "where",
 }  # fmt: skip
 
-# Calls from these modules pass through: Keras's layers and TF's internals keep their own dtypes.
-_FRAMEWORK_MODULES = ("keras.", "tensorflow.", "tf_keras.")
+# Where the op table applies: "user code" (see the module docs).  A frame's kind is decided once per file.
+_USER, _LIBRARY, _TRACING = 0, 1, 2
+#: Top-level packages whose calls pass through wherever they are installed (a source checkout too).
+LIBRARY_PACKAGES: frozenset[str] = frozenset(
+    {"keras", "tensorflow", "tf_keras", "keras_hub", "keras_nlp", "keras_cv", "keras_rs", "tensorflow_probability"}
+)
 # tf.function's and AutoGraph's machinery between a caller and a wrapper: looked through
-_TRACING = (
+_TRACING_MODULES = (
     "tensorflow.python.autograph",
     "tensorflow.python.eager",
     "tensorflow.python.framework",
     "tensorflow.python.util",
 )
+#: At most this many frames of TensorFlow's tracing machinery are looked through above an op;
+#: a call with more (none is known) passes through.
+MAX_TRACING_FRAMES = 24
+
+
+def _library_dirs() -> tuple[str, ...]:
+    """Directories whose files are library code: installed distributions, the standard library, mpx."""
+    dirs = {*site.getsitepackages(), sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"]}
+    dirs |= {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
+    user_site = site.getusersitepackages() if site.ENABLE_USER_SITE else None
+    if user_site:
+        dirs.add(user_site)
+    for package in ("mpx", "mpx_tf", "mpx_keras"):
+        spec = importlib.util.find_spec(package)
+        if spec is not None and spec.submodule_search_locations:
+            dirs.update(spec.submodule_search_locations)
+    return tuple(os.path.join(os.path.realpath(d), "") for d in dirs if d)
+
+
+_LIBRARY_DIRS = _library_dirs()
+_KINDS: dict[str, int] = {}
 _HALF = frozenset({"float16", "bfloat16"})
 
 _local = threading.local()
-# True once a policy could be active anywhere (an autocast scope, apply_policy,
-# set_global_policy): until then every wrapper is one flag test and the call.
-_enabled = False
+
+
+def _kind(frame: Any) -> int:
+    filename = frame.f_code.co_filename
+    kind = _KINDS.get(filename)
+    if kind is None:
+        module = frame.f_globals.get("__name__") or ""
+        if module.startswith(_TRACING_MODULES):
+            kind = _TRACING
+        elif module.partition(".")[0] in LIBRARY_PACKAGES:
+            kind = _LIBRARY
+        elif filename.startswith("<"):  # <stdin>, <string>, <doctest ...>: typed in
+            kind = _USER
+        else:
+            path = os.path.realpath(filename)
+            kind = _LIBRARY if path.startswith(_LIBRARY_DIRS) else _USER
+        _KINDS[filename] = kind
+    return kind
+
+
+def from_user_code(depth: int = 1) -> bool:
+    """Whether the call ``depth`` frames above this one comes from user code (see the module docs).
+
+    TensorFlow's tracing frames (AutoGraph, ``tf.function``) are looked through, at most
+    :data:`MAX_TRACING_FRAMES` of them; each file's kind is decided once and cached.
+    """
+    frame = sys._getframe(depth + 1)
+    for _ in range(MAX_TRACING_FRAMES):
+        kind = _kind(frame)
+        if kind != _TRACING:
+            return kind == _USER
+        frame = frame.f_back
+        if frame is None:
+            return False
+    return False
+
+
+# -- installing the dispatch while a policy needs it ---------------------------------------------
+_lock = threading.Lock()
+_holds = 0
+#: (module, name, original, wrapper) of the functions replaced now; empty while no policy needs them.
+_INSTALLED: list[tuple[Any, str, Callable[..., Any], Callable[..., Any]]] = []
+_WRAPPERS: dict[tuple[int, str], Callable[..., Any]] = {}
+
+
+def acquire() -> None:
+    """Take one hold on the op table's dispatch: the first hold installs it (thread-safe)."""
+    global _holds
+    with _lock:
+        if _holds == 0:
+            _install_all()
+        _holds += 1
+
+
+def release() -> None:
+    """Give back one hold (:func:`acquire`): the last one puts every original function back.
+
+    Raises:
+        MPXError: when no hold is taken (a release without its acquire).
+    """
+    global _holds
+    with _lock:
+        if _holds == 0:
+            raise MPXError("mpx_tf.autocast.release() without a matching acquire(): the op table holds none.")
+        _holds -= 1
+        if _holds == 0:
+            _uninstall_all()
+
+
+def holds() -> int:
+    """How many holds keep the op table's dispatch installed now (0: every function is Keras's/TF's own)."""
+    return _holds
+
+
+def _needs_table(rule: Rule | None) -> bool:
+    return rule is not None and (rule.policy.lowers_precision or rule.forced)
+
+
+def hold(rule: Any) -> Callable[[], None]:
+    """Install the dispatch while ``rule`` needs it (a lowering or forcing rule); returns its release.
+
+    The release is idempotent.  The policies (``policy_scope``, ``set_global_policy``) and the
+    ``Layer.__call__`` of layers with an mpx policy call this.
+    """
+    if not _needs_table(rule):
+        return _no_release
+    acquire()
+    done = False
+
+    def give_back() -> None:
+        nonlocal done
+        if not done:
+            done = True
+            release()
+
+    return give_back
+
+
+def _no_release() -> None:
+    return None
+
+
+@contextlib.contextmanager
+def holding(rule: Any) -> Iterator[None]:
+    """:func:`hold` for a ``with`` block (released on exit, errors too)."""
+    give_back = hold(rule)
+    try:
+        yield
+    finally:
+        give_back()
 
 
 def enable() -> None:
-    """Switch the wrappers on (mpx_tf calls this when a policy first becomes active)."""
-    global _enabled
-    _enabled = True
+    """Kept for callers of the old hook: the dispatch is now installed by :func:`hold` only."""
 
 
 class Rule(NamedTuple):
@@ -251,13 +416,15 @@ def autocast(policy: mpx.PolicySpec, *, op_table: OpTable | None = None) -> Iter
     """
     p = mpx.get_policy(policy)
     table = check_op_table(op_table)
-    enable()
+    rule = nested_rule(p, table)
     stack = _stack()
-    stack.append((nested_rule(p, table), len(_compat.name_scope_stack())))
+    give_back = hold(rule)
+    stack.append((rule, len(_compat.name_scope_stack())))
     try:
         yield p
     finally:
         stack.pop()
+        give_back()
 
 
 def _innermost_layer() -> tuple[Any, int]:
@@ -297,15 +464,6 @@ def active_rule() -> Rule | None:
     if g is None or (layer is not None and layer.compute_dtype != g.policy.compute_dtype):
         return None
     return g
-
-
-def _from_user_code(depth: int) -> bool:
-    frame = sys._getframe(depth + 1)
-    name = frame.f_globals.get("__name__", "")
-    while name.startswith(_TRACING) and frame.f_back is not None:
-        frame = frame.f_back
-        name = frame.f_globals.get("__name__", "")
-    return not name.startswith(_FRAMEWORK_MODULES)
 
 
 def _dtype_of(x: Any) -> str | None:
@@ -388,7 +546,7 @@ def _wrap(original: Callable[..., Any], op: str) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if not _enabled or getattr(_local, "depth", 0) or not _from_user_code(1):
+        if getattr(_local, "depth", 0) or not from_user_code(1):
             return original(*args, **kwargs)
         return _call(op, original, args, kwargs)
 
@@ -419,7 +577,7 @@ def autocast_op(op: str) -> Callable[[F], F]:
     def decorate(fn: F) -> F:
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if not _enabled or getattr(_local, "depth", 0):
+            if getattr(_local, "depth", 0):
                 return fn(*args, **kwargs)
             return _call(op, fn, args, kwargs)
 
@@ -429,35 +587,56 @@ def autocast_op(op: str) -> Callable[[F], F]:
     return decorate
 
 
-_WRAPPED: list[tuple[Any, str, Callable[..., Any]]] = []
-
-
-def _install(module: Any, name: str, op: str) -> None:
-    original = getattr(module, name, None)
-    if original is None or getattr(original, "_mpx_op", None) is not None:
-        return
-    setattr(module, name, _wrap(original, op))
-    _WRAPPED.append((module, name, original))
-
-
-def _install_all() -> None:
-    for module in (keras.ops, keras.ops.nn, keras.ops.numpy, keras.ops.linalg):
-        for name, op in KERAS_OPS.items():
-            if hasattr(module, name):
-                _install(module, name, op)
-    for name, op in LOSS_FUNCTIONS.items():
-        _install(keras.losses, name, op)
+@functools.lru_cache(maxsize=1)
+def _targets() -> tuple[tuple[Any, str, str, str], ...]:
+    """(module, name, op, public name) of every function the dispatch replaces while installed."""
+    found = []
+    for path in ("ops", "ops.nn", "ops.numpy", "ops.linalg"):
+        module = keras
+        for part in path.split("."):
+            module = getattr(module, part)
+        found += [(module, n, op, f"keras.{path}.{n}") for n, op in KERAS_OPS.items() if hasattr(module, n)]
+    found += [
+        (keras.losses, n, op, f"keras.losses.{n}") for n, op in LOSS_FUNCTIONS.items() if hasattr(keras.losses, n)
+    ]
     for dotted, op in TF_OPS.items():
         path, _, name = dotted.rpartition(".")
         module = tf
         for part in filter(None, path.split(".")):
             module = getattr(module, part)
-        _install(module, name, op)
+        if hasattr(module, name):
+            found.append((module, name, op, f"tf.{dotted.lstrip('.')}"))
+    return tuple(found)
+
+
+def _install_all() -> None:
+    for module, name, op, _ in _targets():
+        original = getattr(module, name)
+        if getattr(original, "_mpx_op", None) is not None:
+            continue
+        key = (id(module), name)
+        wrapper = _WRAPPERS.get(key)
+        if wrapper is None or wrapper._mpx_original is not original:  # type: ignore[attr-defined]
+            wrapper = _WRAPPERS[key] = _wrap(original, op)
+        setattr(module, name, wrapper)
+        _INSTALLED.append((module, name, original, wrapper))
+
+
+def _uninstall_all() -> None:
+    for module, name, original, wrapper in reversed(_INSTALLED):
+        if getattr(module, name, None) is wrapper:  # replaced by someone else meanwhile: theirs stays
+            setattr(module, name, original)
+    _INSTALLED.clear()
 
 
 def wrapped_functions() -> list[str]:
-    """The names of the functions mpx_tf dispatches, as ``"keras.ops.softmax"``, ``"tf.nn.softmax"``."""
-    return [f"{getattr(m, '__name__', m)}.{n}" for m, n, _ in _WRAPPED]
+    """The functions the dispatch replaces while a policy needs it, as ``"keras.ops.softmax"``, ``"tf.nn.softmax"``."""
+    return [public for _, _, _, public in _targets()]
 
 
-_install_all()
+def _layer_hold(choices: Any) -> Callable[[], None]:
+    """What a layer with an mpx policy holds while its ``call`` runs: the dispatch, when its policy lowers."""
+    return hold(Rule(choices.policy, mpx.OP_TABLE))
+
+
+_dtype_policy.set_call_hold(_layer_hold)

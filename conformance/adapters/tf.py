@@ -131,7 +131,7 @@ def functions(op: str, dtype: str, other: str | None = None, upcast: bool = Fals
     inputs of ``dtype`` (``upcast``: those inputs cast to float32).  ``mode="mpx"`` declares the
     composites with :func:`mpx_tf.autocast_op`."""
     if mode == "mpx":
-        _mpx_tf()  # its dispatch wraps keras.ops and tf functions: import it before reading them
+        _mpx_tf()  # (its op table dispatches keras.ops/tf functions looked up at call time, inside a scope)
 
     def t(shape, dt=dtype, seed=0, positive=False):
         x = _x(shape, dt, seed) if not positive else tf.constant(op_input(shape, seed, True), dtype=dt)
@@ -147,13 +147,13 @@ def functions(op: str, dtype: str, other: str | None = None, upcast: bool = Fals
     if composite is not None and mode == "mpx":
         composite = _mpx_tf().autocast_op(op)(composite)
     table = {
-        "matmul": (keras.ops.matmul, (x, t((8, 3), seed=3))),
+        "matmul": (lambda a, b: keras.ops.matmul(a, b), (x, t((8, 3), seed=3))),
         "linear": (lambda a, b: tf.matmul(a, b, transpose_b=True), (x, w)),
         "conv": (lambda a, k: tf.nn.conv2d(a, k, 1, "VALID"), (img, t((3, 3, 2, 3), seed=4))),
         "conv_transpose": (lambda a, k: keras.ops.conv_transpose(a, k, 1, "valid"), (img, t((3, 3, 3, 2), seed=4))),
-        "bmm": (tf.linalg.matmul, (t((2, 4, 8)), t((2, 8, 3), seed=5))),
+        "bmm": (lambda a, b: tf.linalg.matmul(a, b), (t((2, 4, 8)), t((2, 8, 3), seed=5))),
         "einsum": (lambda a, b: keras.ops.einsum("ij,kj->ik", a, b), (x, w)),
-        "attention": (keras.ops.dot_product_attention, tuple(qkv)),
+        "attention": (lambda q, k, v: keras.ops.dot_product_attention(q, k, v), tuple(qkv)),
         "softmax": (lambda a: keras.ops.softmax(a, axis=-1), (x,)),
         "log_softmax": (lambda a: tf.nn.log_softmax(a, axis=-1), (x,)),
         "layer_norm": (lambda a: keras.ops.layer_normalization(a, epsilon=1e-5), (x,)),
@@ -164,17 +164,17 @@ def functions(op: str, dtype: str, other: str | None = None, upcast: bool = Fals
         "nll_loss": (lambda a: composite(a, labels), (x,)),
         "mse_loss": (lambda a, b: keras.losses.mean_squared_error(b, a), (x, y)),
         "bce_with_logits": (lambda a, b: tf.nn.sigmoid_cross_entropy_with_logits(labels=b, logits=a), (x, target)),
-        "exp": (tf.exp, (x,)),
-        "log": (keras.ops.log, (t((4, 8), positive=True),)),
+        "exp": (lambda a: tf.exp(a), (x,)),
+        "log": (lambda a: keras.ops.log(a), (t((4, 8), positive=True),)),
         "pow": (lambda a: tf.pow(a, 2.5), (tf.abs(x),)),
-        "sum": (tf.reduce_sum, (x,)),
-        "mean": (keras.ops.mean, (x,)),
+        "sum": (lambda a: tf.reduce_sum(a), (x,)),
+        "mean": (lambda a: keras.ops.mean(a), (x,)),
         "cumsum": (lambda a: tf.cumsum(a, axis=0), (x,)),
-        "prod": (keras.ops.prod, (x,)),
+        "prod": (lambda a: keras.ops.prod(a), (x,)),
         "logsumexp": (lambda a: tf.reduce_logsumexp(a, axis=-1), (x,)),
-        "vector_norm": (keras.ops.norm, (x,)),
-        "add": (tf.add, (x, y)),
-        "mul": (keras.ops.multiply, (x, y)),
+        "vector_norm": (lambda a: keras.ops.norm(a), (x,)),
+        "add": (lambda a, b: tf.add(a, b), (x, y)),
+        "mul": (lambda a, b: keras.ops.multiply(a, b), (x, y)),
         "cat": (lambda a, b: tf.concat([a, b], 0), (x, y)),
         "stack": (lambda a, b: keras.ops.stack([a, b]), (x, y)),
         "where": (lambda a, b: tf.where(a > 0, a, b), (x, y)),
