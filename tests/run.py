@@ -12,6 +12,7 @@ The last line is the total over all suites.
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import subprocess
 import sys
@@ -20,12 +21,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# name, framework module that must be importable (None: always), paths
-SUITES: list[tuple[str, str | None, list[str]]] = [
+# name, framework module that must be importable (None: always), paths[, environment]
+SUITES: list[tuple[str, str | None, list[str]] | tuple[str, str | None, list[str], dict[str, str]]] = [
     ("core", None, ["mpx", "tests/core"]),
     ("torch", "torch", ["mpx_torch", "tests/torch"]),
     ("tf", "tensorflow", ["mpx_tf", "tests/tf"]),
     ("jax", "jax", ["mpx_jax", "tests/jax"]),
+    # Keras 3 once per backend, each in its own process (mpx_keras's doctests and tests/keras)
+    ("keras-tf", "tensorflow", ["mpx_keras", "tests/keras"], {"KERAS_BACKEND": "tensorflow"}),
+    ("keras-jax", "jax", ["mpx_keras", "tests/keras"], {"KERAS_BACKEND": "jax"}),
+    ("keras-torch", "torch", ["mpx_keras", "tests/keras"], {"KERAS_BACKEND": "torch"}),
     ("bench", None, ["mpx_bench", "mpx_compare", "tests/bench"]),
     ("conformance", None, ["conformance"]),
 ]
@@ -35,7 +40,8 @@ COUNTS = re.compile(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed)")
 def main(argv: list[str]) -> int:
     totals = {"passed": 0, "failed": 0, "skipped": 0}
     failures = []
-    for name, framework, paths in SUITES:
+    for name, framework, paths, *extra in SUITES:
+        env = {**os.environ, **extra[0]} if extra else None
         present = [p for p in paths if (ROOT / p).exists()]
         if not any(p.startswith(("tests", "conformance")) for p in present):
             continue
@@ -47,6 +53,7 @@ def main(argv: list[str]) -> int:
         proc = subprocess.Popen(
             [sys.executable, "-m", "pytest", *present, *argv],
             cwd=ROOT,
+            env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
