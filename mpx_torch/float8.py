@@ -272,13 +272,8 @@ def _skip_flag(skipped: Any, device: torch.device) -> torch.Tensor:
     from mpx_torch.grad_scaler import GradScaler
 
     if isinstance(skipped, GradScaler):
-        tensors = getattr(
-            skipped, "_tensors", None
-        )  # the scaler's device state (None before its first scale)
-        if tensors is None or not skipped.is_enabled() or not skipped.config.skip_nonfinite:
-            return torch.zeros((), dtype=torch.bool, device=device)
-        # after update(): the step was skipped iff it was not finite (consecutive_nonfinite counts it)
-        return (tensors.consecutive_nonfinite > 0).to(device)
+        flag = skipped.last_step_skipped()  # None before the scaler's first scale()
+        return torch.zeros((), dtype=torch.bool, device=device) if flag is None else flag.to(device)
     if isinstance(skipped, torch.Tensor):
         if skipped.numel() != 1 or skipped.requires_grad:
             raise UnsupportedTypeError(
@@ -345,15 +340,14 @@ def commit(model: nn.Module, skipped: Any = False, *, process_group: Any = None)
     if not isinstance(model, nn.Module):
         raise UnsupportedTypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}.")
     if isinstance(skipped, GradScaler):
-        tensors = getattr(skipped, "_tensors", None)
-        if tensors is not None and skipped.is_enabled():
+        if skipped.last_step_skipped() is not None and skipped.is_enabled():
             seen = _SCALER_STEPS.setdefault(skipped, {})
-            if seen.get(id(model)) == tensors.steps:
+            if seen.get(id(model)) == skipped.updates:
                 raise MPXError(
                     "commit(model, scaler): the scaler's update() was not called since the last commit; "
                     "call scaler.update() first, then commit once per optimizer step."
                 )
-            seen[id(model)] = tensors.steps
+            seen[id(model)] = skipped.updates
     modules = [module for _, module in float8_modules(model)]
     group = group_to_agree(check_process_group(process_group))
     if group is not None and modules:

@@ -405,6 +405,20 @@ class GradScaler(torch.amp.GradScaler):
             return 1.0
         return self._host.scale if self._tensors is None else float(self._tensors.scale.item())
 
+    def last_step_skipped(self) -> torch.Tensor | None:
+        """Whether the last :meth:`update` skipped its step, as a bool tensor on the scaler's device (no host
+        sync); None before the first :meth:`scale`.  Always False for a scaler that does not skip."""
+        if self._tensors is None:
+            return None
+        if self._passthrough() or not self._config.skip_nonfinite:
+            return torch.zeros((), dtype=torch.bool, device=self._tensors.scale.device)
+        return self._tensors.consecutive_nonfinite > 0
+
+    @property
+    def updates(self) -> int:
+        """How many times :meth:`update` ran (``state.steps``, counted on the host: no sync)."""
+        return self._host.steps if self._tensors is None else self._tensors.steps
+
     def get_growth_factor(self) -> float:
         """The config's growth factor."""
         return self._config.growth_factor

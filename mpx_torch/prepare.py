@@ -333,4 +333,7 @@ def prepare(
                 sub.register_forward_hook(hooks.exit, prepend=True, always_call=True),
             )
             sub.__dict__[_ATTRIBUTE] = hooks
+    from mpx_torch import float8  # mpx_torch.float8 imports this module
+
+    float8.convert(module, root, op_table=op_table)  # FP8 Linears where the policy says fp8=; else nothing
     return module

@@ -664,3 +664,25 @@ def test_the_docs_example_runs():
     exec(compile(block, "docs/fp8.md", "exec"), namespace)
     assert isinstance(model.body, Float8Linear) and type(model.lm_head) is nn.Linear
     assert model.body.fp8_amax_history[0, :3].gt(0).all()  # three steps committed
+
+
+def test_prepare_converts_the_linears_an_fp8_policy_names():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 4))
+    mpx_torch.prepare(model, "mixed_bfloat16,fp8=hybrid,@2={fp8=none}")
+    assert [type(m).__name__ for m in model] == ["Float8Linear", "LayerNorm", "Linear"]
+    assert model(torch.randn(2, 8)).dtype == torch.float32
+    mpx_torch.prepare(model, "mixed_bfloat16")  # re-prepared without FP8: plain Linears again
+    assert [type(m).__name__ for m in model] == ["Linear", "LayerNorm", "Linear"]
+
+
+def test_commit_reads_the_scalers_public_skip_flag():
+    scaler = mpx_torch.GradScaler("mixed_float16")
+    assert scaler.last_step_skipped() is None and scaler.updates == 0
+    w = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([w], lr=0.1)
+    for bad in (False, True):
+        scaler.scale((w * (math.inf if bad else 1.0)).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        assert bool(scaler.last_step_skipped()) is bad and scaler.updates == 1 + bad
