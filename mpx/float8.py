@@ -42,6 +42,8 @@ Scaling (:func:`float8_update`), per tensor, Transformer Engine's convention
       is finite (mpx's floor);
     * ``power_of_two=True`` rounds every scale down to a power of two (exact
       inverse; torchao's rowwise recipe does the same);
+    * an FP8 GEMM with a non-finite operand returns NaN (:func:`fp8_dot`), so a
+      loss scaler sees the overflow the clip would hide and skips the step;
     * a step the loss scaler skips commits no amax and no scale
       (``float8_update(..., skipped=True)`` returns the state unchanged): the
       FP8 state moves exactly when the optimizer state does, accumulation
@@ -215,14 +217,19 @@ def fp8_dot(
 ) -> np.ndarray:
     """The FP8 GEMM: quantize both operands, multiply in float32, then apply both inverse scales.
 
-    ``(float32(qa) @ float32(qb)) * scale_inv(a_scale) * scale_inv(b_scale)``, in float32.  Backends
+    ``(float32(qa) @ float32(qb)) * scale_inv(a_scale) * scale_inv(b_scale)``, in float32.  An operand
+    holding inf or NaN makes the whole result NaN: quantization clips inf to ``fp8_max``, which would
+    hide an overflowed (scaled) value from the loss scaler, so every backend poisons the GEMM instead
+    and the step is skipped.  Backends
     accumulate in float32 in their own order, so they match this within float32 rounding of the sums
     (the products of FP8 values are exact in float32).
     """
     qa = quantize(a, a_scale, a_fmt).astype(np.float32)
     qb = quantize(b, b_scale, b_fmt).astype(np.float32)
-    out = qa @ qb
-    return (out * np.float32(scale_inv(a_scale)) * np.float32(scale_inv(b_scale))).astype(np.float32)
+    out = (qa @ qb * np.float32(scale_inv(a_scale)) * np.float32(scale_inv(b_scale))).astype(np.float32)
+    if not (np.isfinite(np.asarray(a, np.float32)).all() and np.isfinite(np.asarray(b, np.float32)).all()):
+        out[...] = np.nan  # the clip would hide an overflow from the loss scaler: poison the whole GEMM
+    return out
 
 
 def _round_down_pow2(scale: float) -> float:

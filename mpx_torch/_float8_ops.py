@@ -9,6 +9,7 @@ tensor ops with no host sync, traceable by dynamo.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -170,9 +171,12 @@ class Float8LinearFunction(torch.autograd.Function):
         qw = quantize(weight, w_scale, "e4m3")
         x_inv, w_inv = 1.0 / x_scale, 1.0 / w_scale
         out = gemm(qx, qw.t(), x_inv, w_inv, use_scaled_mm)
+        # an inf operand would be clipped to fp8_max and hide an overflow from the loss scaler: poison the GEMM
+        finite = torch.isfinite(x2d).all() & torch.isfinite(weight).all()
+        out = torch.where(finite, out, torch.full_like(out, math.nan))
         if bias is not None:
             out = out + bias.to(torch.float32)
-        ctx.save_for_backward(qx, qw, x_inv, w_inv, grad_scale)
+        ctx.save_for_backward(qx, qw, x_inv, w_inv, grad_scale, finite)
         ctx.grad_amax = grad_amax
         ctx.config = config
         ctx.shapes = (x.shape, x.dtype, weight.dtype, None if bias is None else bias.dtype)
@@ -180,7 +184,7 @@ class Float8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        qx, qw, x_inv, w_inv, grad_scale = ctx.saved_tensors
+        qx, qw, x_inv, w_inv, grad_scale, finite = ctx.saved_tensors
         grad_fmt, use_scaled_mm, _, current, grad_max, margin, power_of_two = ctx.config
         x_shape, x_dtype, w_dtype, b_dtype = ctx.shapes
         g2d = grad_out.reshape(-1, grad_out.shape[-1])
@@ -190,11 +194,14 @@ class Float8LinearFunction(torch.autograd.Function):
             grad_scale = current_scales(amax, grad_max, margin, power_of_two)
         qg = quantize(g2d, grad_scale, grad_fmt)
         g_inv = 1.0 / grad_scale
+        finite = finite & torch.isfinite(amax)  # an overflowed (scaled) gradient poisons both GEMMs
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            dx = gemm(qg, qw, g_inv, w_inv, use_scaled_mm).to(x_dtype).reshape(x_shape)
+            dx = gemm(qg, qw, g_inv, w_inv, use_scaled_mm)
+            dx = torch.where(finite, dx, torch.full_like(dx, math.nan)).to(x_dtype).reshape(x_shape)
         if ctx.needs_input_grad[1]:
-            dw = gemm(qg.t(), qx, g_inv, x_inv, use_scaled_mm).to(w_dtype)
+            dw = gemm(qg.t(), qx, g_inv, x_inv, use_scaled_mm)
+            dw = torch.where(finite, dw, torch.full_like(dw, math.nan)).to(w_dtype)
         if b_dtype is not None and ctx.needs_input_grad[2]:
             db = g2d.to(torch.float32).sum(0).to(b_dtype)
         return dx, dw, db, None, None, None, None, None

@@ -582,9 +582,8 @@ def test_a_tiny_hf_llama_trains_under_fp8_hybrid():
 def test_a_long_trace_with_a_grad_scaler_is_float8_update():
     """300 optimizer steps with spikes, zeros, infs and NaNs; the GradScaler's skips decide the commits.
 
-    An inf input does not make the step non-finite: the FP8 clip turns it into +-448 / scale, so the loss
-    and the gradients stay finite (as under Transformer Engine's saturating casts); its amax is not recorded.
-    A NaN input, or a loss poisoned with inf, makes the gradients NaN: the scaler skips, nothing commits.
+    An inf or NaN input, or a loss poisoned with inf, poisons the FP8 GEMMs (the clip would otherwise hide an
+    inf as +-448 / scale): the gradients are NaN, the scaler skips, nothing commits.
     """
     recipe = Float8Recipe(amax_history_len=16, margin=1)
     layer = convert(nn.Linear(8, 4, bias=False), mpx.Policy(fp8=recipe))
@@ -600,7 +599,7 @@ def test_a_long_trace_with_a_grad_scaler_is_float8_update():
         elif t % 23 == 7:
             a_in = 0.0
         elif t % 41 == 11:
-            a_in = math.inf  # clipped by the quantization: a finite step whose input amax is not recorded
+            a_in = math.inf  # poisons the GEMM (mpx.float8.fp8_dot's rule): skipped
         elif t % 53 == 13:
             a_in = math.nan
         a_w, a_g = float(np.float32(rng.uniform(0.1, 2.0))), float(np.float32(rng.uniform(0.0, 3.0)))
@@ -619,7 +618,7 @@ def test_a_long_trace_with_a_grad_scaler_is_float8_update():
         scaler.update()
         commit(layer, scaler)
         opt.zero_grad()
-        skipped = math.isnan(a_in) or poison
+        skipped = not math.isfinite(a_in) or poison
         assert scaler.state.skipped_steps == skips + skipped, t
         skips += skipped
         grad = float(
@@ -686,3 +685,26 @@ def test_commit_reads_the_scalers_public_skip_flag():
         scaler.update()
         opt.zero_grad()
         assert bool(scaler.last_step_skipped()) is bad and scaler.updates == 1 + bad
+
+
+@pytest.mark.parametrize("where", ["input", "weight", "grad"])
+def test_a_non_finite_operand_poisons_the_gemm_as_the_core_does(where):
+    """The core's rule (mpx.float8.fp8_dot): an inf operand would be clipped to fp8_max and hide an overflow
+    from the loss scaler, so the FP8 GEMM returns NaN and the step is skipped."""
+    x, w = np.ones((2, 4), np.float32), np.ones((3, 4), np.float32)
+    if where == "input":
+        x[0, 1] = np.inf
+    elif where == "weight":
+        w[2, 0] = np.inf
+    assert np.isnan(fp8_dot(x, w.T, 1.0, 1.0)).all() == (where != "grad")
+    layer = convert(nn.Linear(4, 3, bias=False), "mixed_bfloat16,fp8=hybrid,fp8_scaling=current")
+    with torch.no_grad():
+        layer.weight.copy_(torch.from_numpy(w))
+    xt = torch.from_numpy(x).requires_grad_()
+    y = layer(xt)
+    assert bool(torch.isnan(y).all()) == (where != "grad")
+    g = torch.ones_like(y)
+    if where == "grad":
+        g[1, 1] = math.inf
+    y.backward(g)
+    assert bool(torch.isnan(xt.grad).all()) and bool(torch.isnan(layer.weight.grad).all())
