@@ -21,7 +21,7 @@ EXAMPLES = {
     "jax-autocast": "tests/jax/test_readme.py", "jax-quickstart": "tests/jax/test_readme.py",
     "slow-policy-warning": "tests/bench/test_readme.py",
     "torch-ddp": "tests/torch/test_readme.py", "keras-distributed": "tests/tf/test_readme.py",
-    "jax-shard-map": "tests/jax/test_readme.py",
+    "jax-shard-map": "tests/jax/test_readme.py", "keras-jax": "tests/keras/test_readme.py",
 }  # fmt: skip
 
 
