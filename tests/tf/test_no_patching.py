@@ -22,6 +22,7 @@ A = importlib.import_module("mpx_tf.autocast")  # the module (mpx_tf.autocast is
 L = keras.layers
 ROOT = Path(__file__).resolve().parents[2]
 
+
 def snapshot() -> dict:
     """Every public function of :data:`NAMESPACES` (and ``Layer.__call__``) by dotted name."""
     import keras
@@ -149,7 +150,9 @@ def test_a_layer_with_an_mpx_policy_holds_the_dispatch_during_its_call_only():
         model = keras.Sequential([keras.Input((3,)), L.Dense(3), Probe()])
     mpx_tf.apply_policy(model, "mixed_float16")
     before = snapshot()
-    before["keras.layers.Layer.__call__"] = keras.layers.Layer.__call__  # apply_policy's layer hook (mpx_keras)
+    before["keras.layers.Layer.__call__"] = (
+        keras.layers.Layer.__call__
+    )  # apply_policy's layer hook (mpx_keras)
     Probe.seen.clear()
     model(np.ones((2, 3), "float32"))
     assert Probe.seen["holds"] >= 1 and Probe.seen["softmax"] == "float32"
