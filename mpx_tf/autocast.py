@@ -196,7 +196,16 @@ TF_OPS: dict[str, str] = {
 _USER, _LIBRARY, _TRACING = 0, 1, 2
 #: Top-level packages whose calls pass through wherever they are installed (a source checkout too).
 LIBRARY_PACKAGES: frozenset[str] = frozenset(
-    {"keras", "tensorflow", "tf_keras", "keras_hub", "keras_nlp", "keras_cv", "keras_rs", "tensorflow_probability"}
+    {
+        "keras",
+        "tensorflow",
+        "tf_keras",
+        "keras_hub",
+        "keras_nlp",
+        "keras_cv",
+        "keras_rs",
+        "tensorflow_probability",
+    }
 )
 # tf.function's and AutoGraph's machinery between a caller and a wrapper: looked through
 _TRACING_MODULES = (
@@ -271,7 +280,6 @@ _lock = threading.Lock()
 _holds = 0
 #: (module, name, original, wrapper) of the functions replaced now; empty while no policy needs them.
 _INSTALLED: list[tuple[Any, str, Callable[..., Any], Callable[..., Any]]] = []
-_WRAPPERS: dict[tuple[int, str], Callable[..., Any]] = {}
 
 
 def acquire() -> None:
@@ -597,7 +605,9 @@ def _targets() -> tuple[tuple[Any, str, str, str], ...]:
             module = getattr(module, part)
         found += [(module, n, op, f"keras.{path}.{n}") for n, op in KERAS_OPS.items() if hasattr(module, n)]
     found += [
-        (keras.losses, n, op, f"keras.losses.{n}") for n, op in LOSS_FUNCTIONS.items() if hasattr(keras.losses, n)
+        (keras.losses, n, op, f"keras.losses.{n}")
+        for n, op in LOSS_FUNCTIONS.items()
+        if hasattr(keras.losses, n)
     ]
     for dotted, op in TF_OPS.items():
         path, _, name = dotted.rpartition(".")
@@ -610,23 +620,36 @@ def _targets() -> tuple[tuple[Any, str, str, str], ...]:
 
 
 def _install_all() -> None:
-    for module, name, op, _ in _targets():
-        original = getattr(module, name)
-        if getattr(original, "_mpx_op", None) is not None:
-            continue
-        key = (id(module), name)
-        wrapper = _WRAPPERS.get(key)
-        if wrapper is None or wrapper._mpx_original is not original:  # type: ignore[attr-defined]
-            wrapper = _WRAPPERS[key] = _wrap(original, op)
+    for entry in _plan():
+        module, name, original, wrapper, op = entry
+        current = getattr(module, name)
+        if current is not original:  # replaced since the last install (by a user's monkeypatch): wrap theirs
+            if getattr(current, "_mpx_op", None) is not None:
+                continue
+            original, wrapper = current, _wrap(current, op)
+            entry[2:4] = original, wrapper
         setattr(module, name, wrapper)
         _INSTALLED.append((module, name, original, wrapper))
 
 
 def _uninstall_all() -> None:
-    for module, name, original, wrapper in reversed(_INSTALLED):
+    for module, name, original, wrapper in _INSTALLED:
         if getattr(module, name, None) is wrapper:  # replaced by someone else meanwhile: theirs stays
             setattr(module, name, original)
     _INSTALLED.clear()
+
+
+_PLAN: list[list[Any]] = []
+
+
+def _plan() -> list[list[Any]]:
+    """[module, name, original, wrapper, op] per dispatched function, the wrappers made once."""
+    if not _PLAN:
+        _PLAN.extend(
+            [module, name, getattr(module, name), _wrap(getattr(module, name), op), op]
+            for module, name, op, _ in _targets()
+        )
+    return _PLAN
 
 
 def wrapped_functions() -> list[str]:

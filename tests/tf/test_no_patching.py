@@ -201,8 +201,18 @@ def test_a_release_without_an_acquire_is_an_error_and_changes_nothing():
     assert A.holds() == 0
 
 
-def test_a_function_replaced_by_someone_else_meanwhile_is_left_theirs(monkeypatch):
+def test_a_function_replaced_by_someone_else_meanwhile_is_left_theirs():
+    original = keras.ops.softmax
+    mine = lambda *a, **k: "mine"  # noqa: E731
+    try:
+        with mpx_tf.autocast("mixed_float16"):
+            keras.ops.softmax = mine
+        assert keras.ops.softmax is mine  # not put back over theirs
+        with mpx_tf.autocast("mixed_float16"):  # theirs is what the next install wraps, and puts back
+            assert keras.ops.softmax(1) == "mine" and keras.ops.softmax is not mine
+        assert keras.ops.softmax is mine
+    finally:
+        keras.ops.softmax = original
     with mpx_tf.autocast("mixed_float16"):
-        mine = lambda *a, **k: "mine"  # noqa: E731
-        monkeypatch.setattr(keras.ops, "softmax", mine)
-    assert keras.ops.softmax is mine
+        assert keras.ops.softmax(tf.ones((2, 3), "float16")).dtype == tf.float32
+    assert keras.ops.softmax is original
