@@ -17,6 +17,12 @@ Importing this package selects Keras's TensorFlow backend when ``KERAS_BACKEND``
 is unset; another backend raises ImportError, and a TensorFlow or Keras older
 than mpx is tested with raises :class:`mpx.FrameworkVersionError` (an ImportError).
 Every Keras/TensorFlow internal mpx_tf uses is reached through :mod:`mpx_tf._compat`.
+
+What is not TensorFlow's own lives in :mod:`mpx_keras` (any Keras backend) and is
+re-exported here: the policies, ``mpx:`` dtype-policy names, :class:`LossScaleMonitor`
+and :func:`check_model`.  TensorFlow's own parts stay here: the op table's ``tf.*``
+wrappers (:func:`autocast`), ``tf.distribute``, the reduce dtype and gradient
+accumulation in :class:`LossScaleOptimizer`, ``tf.summary`` history.
 """
 
 import os
@@ -31,6 +37,7 @@ if keras.config.backend() != "tensorflow":
         "set KERAS_BACKEND=tensorflow before keras is first imported"
     )
 
+from mpx_keras.monitor import LossScaleMonitor, check_model
 from mpx_tf import _compat  # noqa: F401  (the TensorFlow and Keras version check, first)
 from mpx_tf.autocast import autocast, autocast_op
 from mpx_tf.diagnostics import underflow_stats, watch
@@ -50,6 +57,7 @@ from mpx_tf.policy import (
 from mpx_tf.saving import load_model
 
 __all__ = [
+    "LossScaleMonitor",
     "LossScaleOptimizer",
     "ScalerHistoryCallback",
     "autocast",
@@ -57,6 +65,7 @@ __all__ = [
     "NAME_PREFIX",
     "apply_policy",
     "category_of",
+    "check_model",
     "op_of",
     "get_global_policy",
     "load_model",

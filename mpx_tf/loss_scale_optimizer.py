@@ -39,9 +39,10 @@ import numpy as np
 import tensorflow as tf
 
 import mpx
-from mpx.errors import MPXError, ScalerConfigError, UnsupportedTypeError
+from mpx.errors import MPXError, UnsupportedTypeError
+from mpx_keras._scale_bits import TensorOps, next_scale
+from mpx_keras.loss_scale_optimizer import keras_arguments
 from mpx_tf import _compat
-from mpx_tf._scale_bits import TensorOps, next_scale
 from mpx_tf.distributed import Window, reduce_dtype_of, set_reduce_dtype, window_step
 from mpx_tf.history import HistoryBuffer, LossFlag, stuck_check
 
@@ -55,66 +56,6 @@ _TF_OPS = TensorOps(
     tf.math.logical_and, tf.math.logical_or, tf.where, tf.math.minimum, tf.math.maximum,
     lambda x, dtype: tf.bitcast(x, dtype), lambda x: tf.constant(x, tf.int32),
 )  # fmt: skip
-
-
-#: Keras's base-optimizer arguments its LossScaleOptimizer accepts at their defaults only (older
-#: saved configs carry them) and refuses otherwise, advising to set them on the inner optimizer.
-_INNER_ONLY = {
-    "weight_decay": None,
-    "clipnorm": None,
-    "global_clipnorm": None,
-    "clipvalue": None,
-    "use_ema": False,
-    "ema_momentum": 0.99,
-    "ema_overwrite_frequency": None,
-    "loss_scale_factor": None,
-    "gradient_accumulation_steps": None,
-}
-
-
-def _keras_arguments(
-    cfg: mpx.ScalerConfig,
-    initial_scale: float | None,
-    dynamic_growth_steps: int | None,
-    dynamic: Any,
-    kwargs: dict[str, Any],
-) -> mpx.ScalerConfig:
-    """The config after Keras's LossScaleOptimizer arguments; raises for those mpx cannot honour."""
-    if dynamic is not True:
-        raise MPXError(
-            f"dynamic: only True is accepted (Keras 3's LossScaleOptimizer is always dynamic), got {dynamic!r}; "
-            "for a fixed scale pass config=mpx.ScalerConfig(kind='static', init_scale=...)"
-        )
-    for arg, default in _INNER_ONLY.items():
-        if arg in kwargs and kwargs.pop(arg) != default:
-            advice = (
-                " (mpx's scaler then moves once per optimizer step and skips a window with a "
-                "non-finite micro-batch whole)"
-                if arg == "gradient_accumulation_steps"
-                else ""
-            )
-            raise MPXError(
-                f"LossScaleOptimizer does not support `{arg}`. Instead, set `{arg}` on the `inner_optimizer`{advice}."
-            )
-    if kwargs:
-        raise MPXError(
-            f"LossScaleOptimizer: unknown arguments {', '.join(repr(k) for k in kwargs)}; allowed: "
-            "inner_optimizer, config (an mpx.ScalerConfig, its dict, or a policy), name, reduce_dtype, and "
-            "Keras's initial_scale, "
-            "dynamic_growth_steps, dynamic=True"
-        )
-    changes: dict[str, Any] = {}
-    if initial_scale is not None:
-        changes["init_scale"] = float(initial_scale)
-    if dynamic_growth_steps is not None:
-        changes["growth_interval"] = dynamic_growth_steps
-    if not changes:
-        return cfg
-    if cfg.kind != "dynamic":
-        raise ScalerConfigError(
-            f"initial_scale / dynamic_growth_steps: they configure a dynamic scaler, but config.kind is {cfg.kind!r}"
-        )
-    return mpx.ScalerConfig.from_dict({**cfg.to_dict(), **changes})
 
 
 @keras.saving.register_keras_serializable(package="mpx_tf")
@@ -193,9 +134,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         **kwargs: Any,
     ) -> None:
         reduce = reduce_dtype_of(reduce_dtype)
-        cfg = _keras_arguments(
-            mpx.as_scaler_config(config), initial_scale, dynamic_growth_steps, dynamic, kwargs
-        )
+        cfg = keras_arguments(
+            mpx.as_scaler_config(config), initial_scale, dynamic_growth_steps, dynamic, kwargs,
+            allowed="name, reduce_dtype",
+        )  # fmt: skip
         if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
             raise UnsupportedTypeError(
                 f"inner_optimizer: expected a keras.optimizers.Optimizer, got {type(inner_optimizer).__name__}."
