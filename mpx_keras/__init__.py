@@ -21,6 +21,7 @@ reduce dtype, TensorBoard history and the op table for functional code.
 """
 
 from mpx_keras import _compat  # noqa: F401  (the Keras version check, first)
+from mpx_keras.diagnostics import underflow_stats, watch
 from mpx_keras.dtype_policy import NAME_PREFIX
 from mpx_keras.loss_scale_optimizer import LossScaleOptimizer
 from mpx_keras.monitor import LossScaleMonitor, ModelCheck, UnscaledFloat16Warning, check_model
@@ -48,4 +49,6 @@ __all__ = [
     "op_of",
     "policy_scope",
     "set_global_policy",
+    "underflow_stats",
+    "watch",
 ]
