@@ -241,20 +241,27 @@ _local = threading.local()
 
 
 def _kind(frame: Any) -> int:
-    filename = frame.f_code.co_filename
-    kind = _KINDS.get(filename)
+    """USER, LIBRARY or TRACING: the kind of the module a frame runs in, decided once per module file.
+
+    Keyed by the module's ``__file__`` (not the code's file): AutoGraph runs a converted function as
+    generated code in a temporary file, shared by functions with the same source, but with the
+    original module's globals.
+    """
+    code_file = frame.f_code.co_filename
+    if code_file.startswith("<"):  # typed in: <stdin>, <string>, <doctest ...>
+        return _USER
+    module_globals = frame.f_globals
+    key = module_globals.get("__file__") or code_file
+    kind = _KINDS.get(key)
     if kind is None:
-        module = frame.f_globals.get("__name__") or ""
+        module = module_globals.get("__name__") or ""
         if module.startswith(_TRACING_MODULES):
             kind = _TRACING
         elif module.partition(".")[0] in LIBRARY_PACKAGES:
             kind = _LIBRARY
-        elif filename.startswith("<"):  # <stdin>, <string>, <doctest ...>: typed in
-            kind = _USER
         else:
-            path = os.path.realpath(filename)
-            kind = _LIBRARY if path.startswith(_LIBRARY_DIRS) else _USER
-        _KINDS[filename] = kind
+            kind = _LIBRARY if os.path.realpath(key).startswith(_LIBRARY_DIRS) else _USER
+        _KINDS[key] = kind
     return kind
 
 

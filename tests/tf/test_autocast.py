@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
+import os
+import sys
+
 import keras
 import numpy as np
 import pytest
@@ -326,3 +330,54 @@ def test_every_op_case_inside_fit(spec):
         layer.seen.clear()
         model.fit(np.ones((4, 3), "float32"), np.zeros((4, 1), "float32"), epochs=2, batch_size=2, verbose=0)
     assert layer.seen == {c["id"]: c["expected"]["dtype"] for c in cases}
+
+
+# -- the user-code rule (#24): installed libraries' calls pass through -------------------------------
+_SOURCE = "import keras\n\n\ndef probs(x):\n    return keras.ops.softmax(x)\n"
+
+
+@pytest.fixture
+def two_modules(tmp_path, monkeypatch):
+    """The same source as a library (its top package in LIBRARY_PACKAGES) and as user code."""
+    A = importlib.import_module("mpx_tf.autocast")
+    (tmp_path / "mpx_test_lib").mkdir()
+    (tmp_path / "mpx_test_lib" / "__init__.py").write_text(_SOURCE)
+    (tmp_path / "mpx_test_user.py").write_text(_SOURCE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(A, "LIBRARY_PACKAGES", A.LIBRARY_PACKAGES | {"mpx_test_lib"})
+    monkeypatch.setattr(A, "_KINDS", {})
+    for name in ("mpx_test_lib", "mpx_test_user"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    return importlib.import_module("mpx_test_lib"), importlib.import_module("mpx_test_user")
+
+
+def test_a_librarys_calls_pass_through_eagerly_and_when_autograph_converts_them(two_modules):
+    lib, user = two_modules
+    x16 = tf.ones((2, 3), "float16")
+
+    def both(x):  # AutoGraph converts both functions, into the same generated code
+        return lib.probs(x), user.probs(x)
+
+    with mpx_tf.autocast("mixed_float16"):
+        assert [t.dtype for t in both(x16)] == [tf.float16, tf.float32]
+        assert [t.dtype for t in tf.function(both)(x16)] == [tf.float16, tf.float32]
+        assert lib.probs(x16).dtype == tf.float16 and keras.ops.softmax(x16).dtype == tf.float32
+
+
+def test_installed_files_are_library_code(two_modules, monkeypatch):
+    A = importlib.import_module("mpx_tf.autocast")
+    _, user = two_modules
+    x16 = tf.ones((2, 3), "float16")
+    here = os.path.join(os.path.realpath(os.path.dirname(user.__file__)), "")
+    monkeypatch.setattr(A, "_LIBRARY_DIRS", (*A._LIBRARY_DIRS, here))  # as if under site-packages
+    with mpx_tf.autocast("mixed_float16"):
+        assert user.probs(x16).dtype == tf.float16
+    assert A.from_user_code(0) is True  # this test file is user code
+
+
+def test_the_walk_through_tracing_frames_is_bounded(monkeypatch):
+    A = importlib.import_module("mpx_tf.autocast")
+    x16 = tf.ones((2, 3), "float16")
+    monkeypatch.setattr(A, "MAX_TRACING_FRAMES", 1)  # the wrapper's own AutoGraph frame uses it up
+    with mpx_tf.autocast("mixed_float16"):
+        assert keras.ops.softmax(x16).dtype == tf.float16  # past the bound: passes through
