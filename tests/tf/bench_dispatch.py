@@ -10,7 +10,9 @@ median over rounds of the best-of-5 microseconds per call of:
 - ``scoped_user``: ``keras.ops.softmax`` of float16 from user code inside ``autocast("mixed_float16")`` (retyped);
 - ``scoped_library``: the same call from a library's frame (a ``keras_hub`` module) inside the scope (passes through);
 - ``enter_exit``: entering and leaving ``autocast("mixed_float16")`` with no other policy active (the new module
-  installs and removes its wrappers here); ``nested_enter_exit``: the same inside another such scope.
+  installs and removes its wrappers here); ``nested_enter_exit``: the same inside another such scope;
+- ``model_call``: an eager call of a small model given ``mixed_float16`` by ``apply_policy`` (Dense +
+  LayerNormalization; the new module installs the dispatch for the outermost layer's call).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ def worker(which: str, old_ref: str) -> dict[str, float]:
     import keras
     import tensorflow as tf
 
-    import mpx_tf  # noqa: F401
+    import mpx_tf
 
     if which == "new":
         module = importlib.import_module("mpx_tf.autocast")
@@ -70,6 +72,13 @@ def worker(which: str, old_ref: str) -> dict[str, float]:
             pass
 
     out["enter_exit"] = best(enter_exit, 500)
+    with mpx_tf.policy_scope("mixed_float16"):
+        model = keras.Sequential(
+            [keras.Input((8,)), keras.layers.Dense(8), keras.layers.LayerNormalization()]
+        )
+    mpx_tf.apply_policy(model, "mixed_float16")
+    x32 = tf.ones((4, 8))
+    out["model_call"] = best(lambda: model(x32), 200)
     with autocast("mixed_float16"):
         assert keras.ops.softmax(x16).dtype == tf.float32
         # the old module retypes the library's call too (keras-hub counted as user code)
