@@ -29,8 +29,9 @@ SIGNATURE = {k: tf.TensorSpec(v.shape, tf.int32) for k, v in INPUTS.items()}
 KINDS = ("BatchMatMulV2", "MatMul", "Einsum", "Softmax", "Sin", "Cos")
 
 
-def gpt2():
+def gpt2(dropout: float = 0.1):
     return keras_hub.models.GPT2Backbone(
+        dropout=dropout,
         vocabulary_size=50,
         num_layers=1,
         num_heads=2,
@@ -127,9 +128,31 @@ def test_gpt2_attention_matmuls_compute_in_the_compute_dtype(scope):
     assert softmax == [("Softmax", ("float32",))]  # the policy's softmax category (natively float16)
 
 
+def test_gpt2_without_dropout_computes_every_attention_matmul_in_half_as_natively():
+    """Without attention dropout keras-hub takes its einsum path: scores and scores x values in half
+    (the softmax computed in float32 between, by keras-hub's own casts), exactly as natively."""
+
+    def build():
+        return gpt2(dropout=0.0)
+
+    attention = _attention(under_mpx(build))
+    assert sorted(attention) == sorted(
+        [
+            "query/MatMul",
+            "key/MatMul",
+            "value/MatMul",
+            "einsum/Einsum",
+            "attention_output/MatMul",
+        ]
+    )
+    assert len(attention["einsum/Einsum"]) == 2  # query x key, scores x values (numbering stripped)
+    assert all(set(dtypes) == {HALF} for v in attention.values() for _, dtypes in v), attention
+    assert attention == _attention(native(build))
+
+
 @pytest.mark.xfail(
     strict=True,
-    reason="apply_policy gives GPT2's softmax layer float32 (its category) and its Dropout autocast=False "
+    reason="apply_policy gives GPT2's softmax layer float32 (its category) and its attention Dropout autocast=False "
     "(dropout is PASSTHROUGH), so the float32 probabilities meet float16 values in keras-hub's einsum, "
     "which Keras promotes to float32: a per-layer policy matter (mpx_keras.apply_policy), not the op table's",
 )
