@@ -78,11 +78,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.util
-import os
-import site
-import sys
-import sysconfig
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple, TypeVar
@@ -95,6 +90,7 @@ from mpx.errors import MPXError
 from mpx.ops import OpClass, OpTable
 from mpx_keras import dtype_policy as _dtype_policy
 from mpx_tf import _compat
+from mpx_tf._user_code import LIBRARY_PACKAGES, MAX_TRACING_FRAMES, from_user_code
 from mpx_tf.dtype_policy import choices_of
 
 __all__ = [
@@ -192,94 +188,9 @@ TF_OPS: dict[str, str] = {
     "concat": "cat", "stack": "stack", "where": "where",
 }  # fmt: skip
 
-# Where the op table applies: "user code" (see the module docs).  A frame's kind is decided once per file.
-_USER, _LIBRARY, _TRACING = 0, 1, 2
-#: Top-level packages whose calls pass through wherever they are installed (a source checkout too).
-LIBRARY_PACKAGES: frozenset[str] = frozenset(
-    {
-        "keras",
-        "tensorflow",
-        "tf_keras",
-        "keras_hub",
-        "keras_nlp",
-        "keras_cv",
-        "keras_rs",
-        "tensorflow_probability",
-    }
-)
-# tf.function's and AutoGraph's machinery between a caller and a wrapper: looked through
-_TRACING_MODULES = (
-    "tensorflow.python.autograph",
-    "tensorflow.python.eager",
-    "tensorflow.python.framework",
-    "tensorflow.python.util",
-)
-#: At most this many frames of TensorFlow's tracing machinery are looked through above an op;
-#: a call with more (none is known) passes through.
-MAX_TRACING_FRAMES = 24
-
-
-def _library_dirs() -> tuple[str, ...]:
-    """Directories whose files are library code: installed distributions, the standard library, mpx."""
-    dirs = {*site.getsitepackages(), sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"]}
-    dirs |= {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
-    user_site = site.getusersitepackages() if site.ENABLE_USER_SITE else None
-    if user_site:
-        dirs.add(user_site)
-    for package in ("mpx", "mpx_tf", "mpx_keras"):
-        spec = importlib.util.find_spec(package)
-        if spec is not None and spec.submodule_search_locations:
-            dirs.update(spec.submodule_search_locations)
-    return tuple(os.path.join(os.path.realpath(d), "") for d in dirs if d)
-
-
-_LIBRARY_DIRS = _library_dirs()
-_KINDS: dict[str, int] = {}
 _HALF = frozenset({"float16", "bfloat16"})
 
 _local = threading.local()
-
-
-def _kind(frame: Any) -> int:
-    """USER, LIBRARY or TRACING: the kind of the module a frame runs in, decided once per module file.
-
-    Keyed by the module's ``__file__`` (not the code's file): AutoGraph runs a converted function as
-    generated code in a temporary file, shared by functions with the same source, but with the
-    original module's globals.
-    """
-    code_file = frame.f_code.co_filename
-    if code_file.startswith("<"):  # typed in: <stdin>, <string>, <doctest ...>
-        return _USER
-    module_globals = frame.f_globals
-    key = module_globals.get("__file__") or code_file
-    kind = _KINDS.get(key)
-    if kind is None:
-        module = module_globals.get("__name__") or ""
-        if module.startswith(_TRACING_MODULES):
-            kind = _TRACING
-        elif module.partition(".")[0] in LIBRARY_PACKAGES:
-            kind = _LIBRARY
-        else:
-            kind = _LIBRARY if os.path.realpath(key).startswith(_LIBRARY_DIRS) else _USER
-        _KINDS[key] = kind
-    return kind
-
-
-def from_user_code(depth: int = 1) -> bool:
-    """Whether the call ``depth`` frames above this one comes from user code (see the module docs).
-
-    TensorFlow's tracing frames (AutoGraph, ``tf.function``) are looked through, at most
-    :data:`MAX_TRACING_FRAMES` of them; each file's kind is decided once and cached.
-    """
-    frame = sys._getframe(depth + 1)
-    for _ in range(MAX_TRACING_FRAMES):
-        kind = _kind(frame)
-        if kind != _TRACING:
-            return kind == _USER
-        frame = frame.f_back
-        if frame is None:
-            return False
-    return False
 
 
 # -- installing the dispatch while a policy needs it ---------------------------------------------

@@ -339,13 +339,13 @@ _SOURCE = "import keras\n\n\ndef probs(x):\n    return keras.ops.softmax(x)\n"
 @pytest.fixture
 def two_modules(tmp_path, monkeypatch):
     """The same source as a library (its top package in LIBRARY_PACKAGES) and as user code."""
-    A = importlib.import_module("mpx_tf.autocast")
+    U = importlib.import_module("mpx_tf._user_code")
     (tmp_path / "mpx_test_lib").mkdir()
     (tmp_path / "mpx_test_lib" / "__init__.py").write_text(_SOURCE)
     (tmp_path / "mpx_test_user.py").write_text(_SOURCE)
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(A, "LIBRARY_PACKAGES", A.LIBRARY_PACKAGES | {"mpx_test_lib"})
-    monkeypatch.setattr(A, "_KINDS", {})
+    monkeypatch.setattr(U, "LIBRARY_PACKAGES", U.LIBRARY_PACKAGES | {"mpx_test_lib"})
+    monkeypatch.setattr(U, "_KINDS", {})
     for name in ("mpx_test_lib", "mpx_test_user"):
         monkeypatch.delitem(sys.modules, name, raising=False)
     return importlib.import_module("mpx_test_lib"), importlib.import_module("mpx_test_user")
@@ -365,19 +365,19 @@ def test_a_librarys_calls_pass_through_eagerly_and_when_autograph_converts_them(
 
 
 def test_installed_files_are_library_code(two_modules, monkeypatch):
-    A = importlib.import_module("mpx_tf.autocast")
+    U = importlib.import_module("mpx_tf._user_code")
     _, user = two_modules
     x16 = tf.ones((2, 3), "float16")
     here = os.path.join(os.path.realpath(os.path.dirname(user.__file__)), "")
-    monkeypatch.setattr(A, "_LIBRARY_DIRS", (*A._LIBRARY_DIRS, here))  # as if under site-packages
+    monkeypatch.setattr(U, "_LIBRARY_DIRS", (*U._LIBRARY_DIRS, here))  # as if under site-packages
     with mpx_tf.autocast("mixed_float16"):
         assert user.probs(x16).dtype == tf.float16
-    assert A.from_user_code(0) is True  # this test file is user code
+    assert U.from_user_code(0) is True  # this test file is user code
 
 
 def test_the_walk_through_tracing_frames_is_bounded(monkeypatch):
-    A = importlib.import_module("mpx_tf.autocast")
+    U = importlib.import_module("mpx_tf._user_code")
     x16 = tf.ones((2, 3), "float16")
-    monkeypatch.setattr(A, "MAX_TRACING_FRAMES", 1)  # the wrapper's own AutoGraph frame uses it up
+    monkeypatch.setattr(U, "MAX_TRACING_FRAMES", 1)  # the wrapper's own AutoGraph frame uses it up
     with mpx_tf.autocast("mixed_float16"):
         assert keras.ops.softmax(x16).dtype == tf.float16  # past the bound: passes through
