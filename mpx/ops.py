@@ -18,7 +18,7 @@ from mpx.dtypes import canonical_dtype, widest_dtype
 from mpx.errors import MPXError
 from mpx.policy import PolicySpec, get_policy
 
-__all__ = ["OP_CATEGORIES", "OP_TABLE", "OpClass", "OpTable", "classify", "result_dtype"]
+__all__ = ["OP_CATEGORIES", "OP_TABLE", "OpClass", "OpTable", "as_op_table", "classify", "result_dtype"]
 
 
 class OpClass(str, enum.Enum):
@@ -166,6 +166,23 @@ def _op_class(value: Any, field: str) -> OpClass:
 
 #: The default op table (after the seed recommendation and torch's CUDA lists).
 OP_TABLE = OpTable({op: cls for cls, ops in _DEFAULTS.items() for op in ops})
+
+
+def as_op_table(op_table: Any) -> OpTable:
+    """``op_table`` as every backend's ``op_table=`` argument reads it: an :class:`OpTable`, or None for
+    :data:`OP_TABLE`.
+
+    Raises:
+        MPXError: for anything else, naming the type.
+
+    >>> as_op_table(None) is OP_TABLE
+    True
+    """
+    if op_table is None:
+        return OP_TABLE
+    if not isinstance(op_table, OpTable):
+        raise MPXError(f"op_table: expected an mpx.OpTable or None, got {type(op_table).__name__}.")
+    return op_table
 
 
 def classify(op: str, policy: PolicySpec | None = None) -> OpClass:

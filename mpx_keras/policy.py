@@ -20,7 +20,7 @@ import keras
 
 import mpx
 from mpx.errors import MPXError, PolicyError, UnsupportedTypeError
-from mpx.ops import OpTable
+from mpx.ops import OpTable, as_op_table
 from mpx_keras import _compat
 from mpx_keras.dtype_policy import NAME_PREFIX, cast_output, install_layer_hook, mpx_name
 
@@ -54,17 +54,8 @@ class Rule(NamedTuple):
     forced: bool = False
 
 
-def check_op_table(op_table: Any) -> OpTable:
-    """``op_table`` (an :class:`mpx.OpTable`, or None for :data:`mpx.OP_TABLE`) as an OpTable.
-
-    Raises:
-        MPXError: for anything else.
-    """
-    if op_table is None:
-        return mpx.OP_TABLE
-    if not isinstance(op_table, OpTable):
-        raise MPXError(f"op_table: expected an mpx.OpTable or None, got {type(op_table).__name__}.")
-    return op_table
+#: ``op_table`` as an OpTable (None: mpx.OP_TABLE); the core's one reading of every ``op_table=`` argument.
+check_op_table = as_op_table
 
 
 class _OpTableHooks:

@@ -80,7 +80,7 @@ import contextlib
 import functools
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, TypeVar
 
 import keras
 import tensorflow as tf
@@ -89,6 +89,7 @@ import mpx
 from mpx.errors import MPXError
 from mpx.ops import OpClass, OpTable
 from mpx_keras import dtype_policy as _dtype_policy
+from mpx_keras.policy import Rule, check_op_table
 from mpx_tf import _compat
 from mpx_tf._user_code import LIBRARY_PACKAGES, MAX_TRACING_FRAMES, from_user_code
 from mpx_tf.dtype_policy import choices_of
@@ -269,33 +270,6 @@ def holding(rule: Any) -> Iterator[None]:
 
 def enable() -> None:
     """Kept for callers of the old hook: the dispatch is now installed by :func:`hold` only."""
-
-
-class Rule(NamedTuple):
-    """What the op table does at a call: the policy, the op table, and whether it forces float32.
-
-    ``forced``: a float32 scope (a policy that does not lower precision) entered
-    inside one that does: LOWER and FLOAT32 ops compute half inputs in float32
-    there (as ``torch.autocast(enabled=False)`` inside an autocast region, in
-    mpx_torch), PROMOTE ops still take the widest input.
-    """
-
-    policy: mpx.Policy
-    table: OpTable
-    forced: bool = False
-
-
-def check_op_table(op_table: Any) -> OpTable:
-    """``op_table`` (an :class:`mpx.OpTable`, or None for :data:`mpx.OP_TABLE`) as an OpTable.
-
-    Raises:
-        MPXError: for anything else.
-    """
-    if op_table is None:
-        return mpx.OP_TABLE
-    if not isinstance(op_table, OpTable):
-        raise MPXError(f"op_table: expected an mpx.OpTable or None, got {type(op_table).__name__}.")
-    return op_table
 
 
 def nested_rule(policy: mpx.Policy, table: OpTable) -> Rule:

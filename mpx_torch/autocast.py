@@ -32,7 +32,6 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from mpx import (
-    OP_TABLE,
     MPXError,
     OpClass,
     OpTable,
@@ -43,6 +42,7 @@ from mpx import (
     warn_if_slow,
     widest_dtype,
 )
+from mpx.ops import as_op_table
 from mpx_torch import _compat, _recompute
 from mpx_torch._compile import compiling as _compiling
 from mpx_torch._ops import FUNCTIONS, PROMOTE_EXCEPT_HALF_MIX, RUNNING_STATS
@@ -453,11 +453,7 @@ class autocast(contextlib.ContextDecorator):
         if not _compiling():  # traced code warns nothing: the eager call (or prepare) did
             for device in named:
                 warn_if_slow("torch", self.policy, device, stacklevel=3)
-        if op_table is None:
-            op_table = OP_TABLE
-        if not isinstance(op_table, OpTable):
-            raise MPXError(f"op_table: expected an mpx.OpTable or None, got {type(op_table).__name__}")
-        self.op_table = op_table
+        self.op_table = as_op_table(op_table)
         self.cache_enabled = cache_enabled
         if not isinstance(recompute, bool):
             raise MPXError(f"recompute: expected True or False, got {recompute!r}")
