@@ -38,6 +38,7 @@ from mpx_jax._autocast_rules import (
 )
 from mpx_jax._compat import INLINE_CALL_PRIMITIVES, ClosedJaxpr, Literal, name_scopes, param
 from mpx_jax._jaxpr import bind, eqn_context
+from mpx_jax.float8 import fp8_dot_general
 
 __all__ = ["FLOAT32_SCOPE", "MIXED_SCOPE", "AutocastError", "AutocastFallbackWarning", "Interpreter"]
 
@@ -81,7 +82,7 @@ class Interpreter(ControlFlow):
     def with_float32_regions(self) -> Interpreter:
         """Attach the interpreter of nested float32 regions (LOWER and FLOAT32 ops at float32); self."""
         region = Interpreter(
-            Rules(self.rules.policy, self.rules.table, F32), strict=self.strict, warned=self.warned
+            Rules(self.rules.policy, self.rules.table, F32, fp8=False), strict=self.strict, warned=self.warned
         )
         region.scopes = self.scopes
         self.scopes[FLOAT32_SCOPE] = region
@@ -286,6 +287,11 @@ class Interpreter(ControlFlow):
         if not all(dtype_of(x) in (*HALF, F32) for x in (lhs, rhs)):
             return self.generic(eqn, invals, weak)
         compute = self.rules.compute
+        if self.rules.fp8_dot(eqn):
+            # quantized from the operands as they arrive (float32 master weights from float32), current
+            # scaling (autocast keeps no state), the result in the compute dtype
+            dims = param(eqn, "dimension_numbers")
+            return [fp8_dot_general(lhs, rhs, dims, self.rules.fp8, out_dtype=compute)]
         args = [cast(lhs, compute), cast(rhs, compute), *invals[2:]]
         param(eqn, "preferred_element_type")  # the float32 accumulation is asked for through it
         params = dict(eqn.params, preferred_element_type=F32)

@@ -22,6 +22,7 @@ import numpy as np
 from jax import lax
 
 import mpx
+from mpx.float8 import Float8Recipe
 from mpx.ops import OpClass, OpTable
 from mpx_jax._compat import INLINE_CALL_PRIMITIVES, ClosedJaxpr, Jaxpr, Literal, function_name, param
 
@@ -190,10 +191,27 @@ def _upcast(eqn: Any) -> bool:
 class Rules:
     """The op table under one policy: the class of a primitive or named function, and the casts it asks."""
 
-    def __init__(self, policy: mpx.Policy, table: OpTable, compute: np.dtype | None = None) -> None:
+    def __init__(
+        self, policy: mpx.Policy, table: OpTable, compute: np.dtype | None = None, *, fp8: bool = True
+    ) -> None:
         self.policy = policy
         self.table = table
         self.compute = compute if compute is not None else mpx.numpy_dtype(policy.compute_dtype)
+        #: the FP8 recipe of the LOWER dots (None: no FP8 here, as in a nested float32 region)
+        self.fp8: Float8Recipe | None = policy.fp8 if fp8 and policy.fp8_applies("matmul", table) else None
+
+    def fp8_dot(self, eqn: Any) -> bool:
+        """Whether a LOWER equation runs as an FP8 GEMM: a ``dot_general`` without batch dimensions
+        (``x @ w``, a linear layer, an einsum such as ``"btd,df->btf"``) under a policy with FP8.
+
+        A ``dot_general`` with batch dimensions is a ``bmm`` (attention's query-key and
+        probability-value products, a batched ``jnp.matmul``), which FP8 leaves to the compute dtype as
+        the op table's ``bmm`` and ``attention`` (:data:`mpx.FP8_OPS` is linear, matmul, einsum).
+        """
+        if self.fp8 is None or eqn.primitive.name != "dot_general":
+            return False
+        (_, (lhs_batch, _)) = param(eqn, "dimension_numbers")
+        return not tuple(lhs_batch)
 
     def op_class(self, name: str) -> OpClass:
         op = PRIMITIVE_OPS.get(name)

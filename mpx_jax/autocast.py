@@ -101,6 +101,29 @@ inputs cast back to the traced dtypes) after a
 per primitive and autocast function); ``strict=True`` raises
 :class:`AutocastError` instead.
 
+**FP8** (a policy with ``fp8=``, :mod:`mpx.float8`): every ``dot_general`` the op table lowers and
+that has no batch dimensions (``x @ w``, a linear layer, ``einsum("btd,df->btf", ...)``) runs as
+:func:`mpx_jax.float8.fp8_dot_general`: both operands quantized from the values as they arrive
+(float32 master weights from float32, never through a bfloat16 copy) in the recipe's forward format
+(e4m3), ``lax.dot_general`` on the float8 operands with float32 accumulation, both inverse scales,
+the result in the compute dtype; the backward quantizes the output gradient (e5m2 under ``hybrid``)
+and runs both transposed products on the quantized values.  A non-finite operand or gradient makes
+that product NaN, so the loss scaler skips the step.  Batched dot_generals (``bmm``,
+attention's products) and convolutions follow the compute dtype, as the op table's ``bmm``,
+``attention`` and ``conv`` do; so does everything else (norms, softmax, losses, elementwise ops),
+as without FP8; nothing inside a nested float32 autocast or a float32 island is FP8.
+
+A function transform has no place for per-tensor state, so autocast's FP8 is *current* scaling:
+each operand's scale comes from its own amax (:func:`mpx.float8.compute_scale` with
+``scaling="current"``, torchao's ``tensorwise``).  The policy must say so (``fp8_scaling=current``,
+or the preset ``mixed_bfloat16_fp8_current``): a delayed-scaling recipe (``fp8=hybrid`` alone,
+``mixed_bfloat16_fp8``) raises :class:`mpx.Float8Error` rather than run a different recipe than
+the policy names.  Delayed scaling keeps state that must commit only on applied optimizer steps;
+it lives in the Flax layers, :class:`mpx_jax.float8_flax.Float8Linear` (NNX) and
+:class:`mpx_jax.float8_linen.Float8Dense` (linen), which carry it explicitly.  A policy whose
+compute dtype is float32 (``float32,fp8=hybrid,fp8_scaling=current``) runs FP8 dots in a float32
+program.
+
 The result composes with ``jit``, ``grad`` and ``vmap`` in either order.
 Outputs are not cast to the output dtype: do that
 with :func:`mpx_jax.cast_to_output` where you want it.
@@ -154,8 +177,9 @@ def autocast(
     Args:
         fn: any JAX function of arrays (other arguments, such as Python
             numbers, strings or flags, are static: they are baked into the trace).
-        policy: an :class:`mpx.Policy` or a spec string; only its compute dtype
-            and ``keep_fp32`` matter here.
+        policy: an :class:`mpx.Policy` or a spec string; only its compute dtype,
+            ``keep_fp32`` and ``fp8`` recipe matter here (overrides name modules, which
+            a function has none of).  An FP8 recipe must use current scaling.
         op_table: the op classes (default :data:`mpx.OP_TABLE`); change one
             with ``mpx.OP_TABLE.replace(softmax="lower")``.
         strict: raise :class:`AutocastError` when an equation cannot run at
@@ -169,8 +193,9 @@ def autocast(
         at float32 (a nested float32 region).
 
     Raises:
-        mpx.PolicyError: a bad policy; mpx.MPXError: ``op_table`` is not an
-        :class:`mpx.OpTable` or ``strict`` not a bool.
+        mpx.PolicyError: a bad policy; mpx.Float8Error: an FP8 recipe with delayed
+        scaling; mpx.MPXError: ``op_table`` is not an :class:`mpx.OpTable` or
+        ``strict`` not a bool.
 
     Warns:
         mpx.SlowPolicyWarning: once per process, when the compute dtype is
@@ -186,9 +211,17 @@ def autocast(
         )
     if not isinstance(strict, bool):
         raise mpx.MPXError(f"strict: expected True or False, got {type(strict).__name__}")
+    if pol.fp8 is not None and pol.fp8.scaling != "current":
+        raise mpx.Float8Error(
+            f"policy: mpx_jax.autocast runs FP8 with current scaling only (a function transform keeps "
+            f"no per-tensor state), but {str(pol)!r} asks for {pol.fp8.scaling} scaling. Add "
+            "fp8_scaling=current to the policy (or use the preset mixed_bfloat16_fp8_current), or "
+            "use the Flax layers mpx_jax.float8_flax.Float8Linear / mpx_jax.float8_linen.Float8Dense, "
+            "which keep delayed-scaling state."
+        )
     check_autocast_primitives(rule_primitives())
     mpx.warn_if_slow("jax", pol, jax.default_backend(), stacklevel=3)
-    if not pol.lowers_precision:
+    if not pol.lowers_precision and pol.fp8 is None:
 
         @functools.wraps(fn)
         def region(*args: Any, **kwargs: Any) -> Any:
