@@ -10,17 +10,24 @@
 >>> optimizer.get_scale(), optimizer.state.steps
 (65536.0, 0)
 
+>>> with mpx_keras.autocast("mixed_float16"):  # user code's keras.ops follow the op table
+...     keras.backend.standardize_dtype(keras.ops.softmax(keras.ops.ones((2, 3), dtype="float16")).dtype)
+'float32'
+
 It imports only Keras and mpx's core (and the backend Keras runs on); importing
 it replaces no ``keras.ops``/``keras.losses`` function and leaves
 ``keras.layers.Layer.__call__`` as it is (the one thing installed is Keras's
 dtype-policy name parser learning ``mpx:`` names, :mod:`mpx_keras.dtype_policy`).
-A Keras older than mpx is tested with raises :class:`mpx.FrameworkVersionError`;
-every Keras internal is reached through :mod:`mpx_keras._compat`.  On
-TensorFlow, :mod:`mpx_tf` adds ``tf.distribute``, gradient accumulation, the
-reduce dtype, TensorBoard history and the op table for functional code.
+The op table's dispatch (:mod:`mpx_keras.autocast`) is installed only while a
+policy needs it.  A Keras older than mpx is tested with raises
+:class:`mpx.FrameworkVersionError`; every Keras internal is reached through
+:mod:`mpx_keras._compat`.  On TensorFlow, :mod:`mpx_tf` adds ``tf.distribute``,
+gradient accumulation, the reduce dtype, TensorBoard history and the ``tf.*``
+functions of the op table.
 """
 
 from mpx_keras import _compat  # noqa: F401  (the Keras version check, first)
+from mpx_keras.autocast import autocast, autocast_op
 from mpx_keras.diagnostics import underflow_stats, watch
 from mpx_keras.dtype_policy import NAME_PREFIX
 from mpx_keras.loss_scale_optimizer import LossScaleOptimizer
@@ -42,6 +49,8 @@ __all__ = [
     "NAME_PREFIX",
     "UnscaledFloat16Warning",
     "apply_policy",
+    "autocast",
+    "autocast_op",
     "category_of",
     "check_model",
     "get_global_policy",

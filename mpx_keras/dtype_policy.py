@@ -33,7 +33,6 @@ takes its autocast flag from it and casts its outputs; other layers run Keras's
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import keras
@@ -168,21 +167,12 @@ def _install_parser() -> None:
     _compat.set_dtype_policy_parse_name(_parse_name)
 
 
-#: ``hold(choices) -> release``: what a layer with an mpx name holds while its ``call`` runs (mpx_tf's op
-#: table installs its dispatch, :func:`mpx_tf.autocast.hold`); by default nothing.
-_CALL_HOLD: list[Callable[[LayerChoices], Callable[[], None]]] = [lambda choices: lambda: None]
-
-
-def set_call_hold(hold: Callable[[LayerChoices], Callable[[], None]]) -> None:
-    """Plug what a layer with an mpx name holds while its ``call`` runs (mpx_tf does, at its import)."""
-    _CALL_HOLD[0] = hold
-
-
 def install_layer_hook() -> None:
     """Wrap ``keras.layers.Layer.__call__`` (once) so layers with ``mpx:`` policy names follow them."""
     original_call = keras.layers.Layer.__call__
     if getattr(original_call, "_mpx_tf", False):
         return
+    from mpx_keras.autocast import layer_hold  # (it imports this module)
 
     @functools.wraps(original_call)
     def __call__(self: keras.layers.Layer, *args: Any, **kwargs: Any) -> Any:
@@ -194,7 +184,7 @@ def install_layer_hook() -> None:
         dtype = choices.output
         if dtype is None and choices.model_output is not None and _compat.name_scope_stack():
             dtype = choices.model_output  # inside the model (loaded: its own dtype was not saved)
-        release = _CALL_HOLD[0](choices)  # an op table for functional code, installed for the call (mpx_tf)
+        release = layer_hold(choices)  # the op table's dispatch, installed for the call when it lowers
         try:
             outputs = original_call(self, *args, **kwargs)
         finally:

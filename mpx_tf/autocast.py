@@ -1,5 +1,11 @@
 """The mpx op table for functional Keras/TensorFlow code: ``keras.ops``, ``keras.losses``, ``tf.*``.
 
+The op table for ``keras.ops``/``keras.losses`` is :mod:`mpx_keras.autocast`'s (the
+same on every Keras backend) and is re-exported here; this module adds
+TensorFlow's own functions (:data:`TF_OPS`) to what its dispatch replaces, with
+one :func:`mpx_keras.autocast.register_targets` at import, and gives every wrapper
+AutoGraph's ``do_not_convert``.
+
 Keras chooses dtypes per layer, not per op: a custom layer that calls
 ``keras.ops.softmax`` on float16 inputs gets a float16 softmax whatever the
 policy says.  :func:`autocast` is a scope in which the public ``keras.ops.*``,
@@ -76,26 +82,36 @@ its casts when later called under another (trace it again to change them).
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import threading
-from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Iterator
 
-import keras
 import tensorflow as tf
 
-import mpx
-from mpx.errors import MPXError
-from mpx.ops import OpClass, OpTable
-from mpx_keras import dtype_policy as _dtype_policy
-from mpx_keras.policy import Rule, check_op_table
-from mpx_tf import _compat
-from mpx_tf._user_code import LIBRARY_PACKAGES, MAX_TRACING_FRAMES, from_user_code
-from mpx_tf.dtype_policy import choices_of
+from mpx_keras.autocast import (
+    KERAS_OPS,
+    LAYER_TABLE,
+    LIBRARY_PACKAGES,
+    LOSS_FUNCTIONS,
+    MAX_TRACING_FRAMES,
+    Rule,
+    Target,
+    acquire,
+    active_rule,
+    autocast,
+    autocast_op,
+    check_op_table,
+    from_user_code,
+    hold,
+    holding,
+    holds,
+    nested_rule,
+    register_targets,
+    release,
+    wrapped_functions,
+)
 
 __all__ = [
     "KERAS_OPS",
+    "LAYER_TABLE",
     "LOSS_FUNCTIONS",
     "TF_OPS",
     "LIBRARY_PACKAGES",
@@ -114,45 +130,6 @@ __all__ = [
     "release",
     "wrapped_functions",
 ]
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-_LOWER_KERAS = {
-    "matmul": "matmul", "dot": "matmul", "tensordot": "matmul", "einsum": "einsum",
-    "conv": "conv", "depthwise_conv": "conv", "separable_conv": "conv",
-    "conv_transpose": "conv_transpose", "dot_product_attention": "attention",
-}  # fmt: skip
-_FLOAT32_KERAS = {
-    "softmax": "softmax", "log_softmax": "log_softmax",
-    "layer_normalization": "layer_norm", "rms_normalization": "rms_norm",
-    "batch_normalization": "batch_norm", "moments": "mean",
-    "exp": "exp", "expm1": "exp", "log": "log", "log1p": "log", "log2": "log", "log10": "log",
-    "power": "pow", "sum": "sum", "mean": "mean", "var": "mean", "std": "mean",
-    "cumsum": "cumsum", "prod": "prod", "cumprod": "prod", "logsumexp": "logsumexp", "norm": "vector_norm",
-    "categorical_crossentropy": "cross_entropy", "sparse_categorical_crossentropy": "cross_entropy",
-    "binary_crossentropy": "bce_with_logits",
-}  # fmt: skip
-_PROMOTE_KERAS = {"add": "add", "multiply": "mul", "concatenate": "cat", "stack": "stack", "where": "where"}
-
-#: ``keras.ops`` function name -> canonical op (the same names in ``keras.ops.nn/numpy/linalg``).
-KERAS_OPS: dict[str, str] = {**_LOWER_KERAS, **_FLOAT32_KERAS, **_PROMOTE_KERAS}
-
-#: ``keras.losses`` function name -> canonical op (every loss is in the ``loss`` category).
-LOSS_FUNCTIONS: dict[str, str] = {
-    "categorical_crossentropy": "cross_entropy",
-    "sparse_categorical_crossentropy": "cross_entropy",
-    "categorical_focal_crossentropy": "cross_entropy",
-    "binary_crossentropy": "bce_with_logits",
-    "binary_focal_crossentropy": "bce_with_logits",
-    **{
-        name: "mse_loss"
-        for name in (
-            "mean_squared_error", "mean_absolute_error", "mean_absolute_percentage_error",
-            "mean_squared_logarithmic_error", "huber", "log_cosh", "kl_divergence", "poisson",
-            "hinge", "squared_hinge", "categorical_hinge", "cosine_similarity",
-        )
-    },
-}  # fmt: skip
 
 #: ``"module.name"`` under ``tf`` -> canonical op.
 TF_OPS: dict[str, str] = {
@@ -189,369 +166,17 @@ TF_OPS: dict[str, str] = {
     "concat": "cat", "stack": "stack", "where": "where",
 }  # fmt: skip
 
-_HALF = frozenset({"float16", "bfloat16"})
 
-_local = threading.local()
-
-
-# -- installing the dispatch while a policy needs it ---------------------------------------------
-_lock = threading.Lock()
-_holds = 0
-#: (module, name, original, wrapper) of the functions replaced now; empty while no policy needs them.
-_INSTALLED: list[tuple[Any, str, Callable[..., Any], Callable[..., Any]]] = []
-
-
-def acquire() -> None:
-    """Take one hold on the op table's dispatch: the first hold installs it (thread-safe)."""
-    global _holds
-    with _lock:
-        if _holds == 0:
-            _install_all()
-        _holds += 1
-
-
-def release() -> None:
-    """Give back one hold (:func:`acquire`): the last one puts every original function back.
-
-    Raises:
-        MPXError: when no hold is taken (a release without its acquire).
-    """
-    global _holds
-    with _lock:
-        if _holds == 0:
-            raise MPXError("mpx_tf.autocast.release() without a matching acquire(): the op table holds none.")
-        _holds -= 1
-        if _holds == 0:
-            _uninstall_all()
-
-
-def holds() -> int:
-    """How many holds keep the op table's dispatch installed now (0: every function is Keras's/TF's own)."""
-    return _holds
-
-
-def _needs_table(rule: Rule | None) -> bool:
-    return rule is not None and (rule.policy.lowers_precision or rule.forced)
-
-
-def hold(rule: Any) -> Callable[[], None]:
-    """Install the dispatch while ``rule`` needs it (a lowering or forcing rule); returns its release.
-
-    The release is idempotent.  The policies (``policy_scope``, ``set_global_policy``) and the
-    ``Layer.__call__`` of layers with an mpx policy call this.
-    """
-    if not _needs_table(rule):
-        return _no_release
-    acquire()
-    done = False
-
-    def give_back() -> None:
-        nonlocal done
-        if not done:
-            done = True
-            release()
-
-    return give_back
-
-
-def _no_release() -> None:
-    return None
-
-
-@contextlib.contextmanager
-def holding(rule: Any) -> Iterator[None]:
-    """:func:`hold` for a ``with`` block (released on exit, errors too)."""
-    give_back = hold(rule)
-    try:
-        yield
-    finally:
-        give_back()
-
-
-def enable() -> None:
-    """Kept for callers of the old hook: the dispatch is now installed by :func:`hold` only."""
-
-
-def nested_rule(policy: mpx.Policy, table: OpTable) -> Rule:
-    """The rule of a scope of ``policy`` entered here: it forces float32 when ``policy`` does not lower
-    precision and the rule in force here (a layer's, a scope's or the global policy's) lowers or forces."""
-    enclosing = active_rule()
-    forced = (
-        not policy.lowers_precision
-        and enclosing is not None
-        and (enclosing.policy.lowers_precision or enclosing.forced)
-    )
-    return Rule(policy, table, forced)
-
-
-def _stack() -> list[tuple[Rule, int]]:
-    """The autocast scopes of this thread: (rule, depth of Keras's name-scope stack at entry)."""
-    stack = getattr(_local, "stack", None)
-    if stack is None:
-        stack = _local.stack = []
-    return stack
-
-
-@contextlib.contextmanager
-def autocast(policy: mpx.PolicySpec, *, op_table: OpTable | None = None) -> Iterator[mpx.Policy]:
-    """A scope in which ``keras.ops``, ``keras.losses`` and ``tf`` functions follow the op table.
-
-    Works eagerly, around ``tf.function`` tracing and around ``model.fit``
-    (which traces its step inside the scope).  Nested scopes: the innermost
-    wins; a float32 scope (a policy that does not lower precision) nested in a
-    mixed one forces float32: LOWER and FLOAT32 ops compute half inputs in
-    float32 inside it, as a float32 region in every mpx backend.  Layers given
-    an mpx policy by :func:`mpx_tf.apply_policy` use their own policy inside
-    their ``call``.  Yields the mpx policy.
-
-    Args:
-        policy: the policy (or spec).
-        op_table: keyword only; the op classes (default None: :data:`mpx.OP_TABLE`).
-            Ops missing from it are left alone; ``OP_TABLE.replace(softmax="lower")``
-            moves one op to another class.
-
-    Raises:
-        PolicyError: for a spec :func:`mpx.get_policy` cannot read.
-        MPXError: for an ``op_table`` that is not an :class:`mpx.OpTable`.
-    """
-    p = mpx.get_policy(policy)
-    table = check_op_table(op_table)
-    rule = nested_rule(p, table)
-    stack = _stack()
-    give_back = hold(rule)
-    stack.append((rule, len(_compat.name_scope_stack())))
-    try:
-        yield p
-    finally:
-        stack.pop()
-        give_back()
-
-
-def _innermost_layer() -> tuple[Any, int]:
-    """The innermost Keras layer being called and its place in the name-scope stack; (None, -1) for none."""
-    names = _compat.name_scope_stack()
-    for index in range(len(names) - 1, -1, -1):
-        caller = getattr(names[index], "caller", None)
-        if isinstance(caller, keras.layers.Layer):
-            return caller, index
-    return None, -1
-
-
-#: The attribute (in a layer's ``__dict__``, not tracked or saved) holding the op table
-#: :func:`mpx_tf.apply_policy` was given, when it is not :data:`mpx.OP_TABLE`.
-LAYER_TABLE = "_mpx_op_table"
-
-
-def active_rule() -> Rule | None:
-    """The rule in force at a call here: the innermost layer's mpx policy, else the innermost
-    :func:`autocast` scope, else the global policy (see the module docs); None for none.
-
-    An :func:`autocast` scope entered inside a layer's ``call`` is inner to that layer: it wins.
-    """
-    layer, index = _innermost_layer()
-    stack = getattr(_local, "stack", None)
-    if stack and stack[-1][1] > index:  # the scope was entered inside the layer's call
-        return stack[-1][0]
-    if layer is not None:
-        own = choices_of(layer.dtype_policy)
-        if own is not None:
-            return Rule(own.policy, layer.__dict__.get(LAYER_TABLE, mpx.OP_TABLE))
-    if stack:
-        return stack[-1][0]
-    from mpx_tf.policy import active_global_rule
-
-    g = active_global_rule()
-    if g is None or (layer is not None and layer.compute_dtype != g.policy.compute_dtype):
-        return None
-    return g
-
-
-def _dtype_of(x: Any) -> str | None:
-    if isinstance(x, (tf.Tensor, tf.Variable, keras.KerasTensor, keras.Variable)):
-        dtype = keras.backend.standardize_dtype(x.dtype)
-        return dtype if keras.backend.is_float_dtype(dtype) else None
-    return None
-
-
-def _cast(x: Any, dtype: str) -> Any:
-    if isinstance(x, keras.KerasTensor):
-        return keras.ops.cast(x, dtype)
-    return tf.cast(x, dtype)
-
-
-def _map_tensors(fn: Callable[[Any], Any], args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    def one(x: Any) -> Any:
-        if isinstance(x, (list, tuple)):
-            return type(x)(fn(v) for v in x)
-        return fn(x)
-
-    return tuple(one(a) for a in args), {k: one(v) for k, v in kwargs.items()}
-
-
-def _retype(cls: OpClass, policy: mpx.Policy, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    if cls is OpClass.PASSTHROUGH:
-        return args, kwargs
-    if cls is OpClass.LOWER:
-        target = policy.compute_dtype
-
-        def fn(x: Any) -> Any:
-            d = _dtype_of(x)
-            return _cast(x, target) if d in ("float32", *_HALF) and d != target else x
-
-        return _map_tensors(fn, args, kwargs)
-    if cls is OpClass.FLOAT32:
-        return _map_tensors(lambda x: _cast(x, "float32") if _dtype_of(x) in _HALF else x, args, kwargs)
-    dtypes: list[str] = []
-    _map_tensors(lambda x: dtypes.append(d) if (d := _dtype_of(x)) else None, args, kwargs)
-    if len(set(dtypes)) < 2:
-        return args, kwargs
-    widest = mpx.widest_dtype(dtypes)
-    return _map_tensors(lambda x: _cast(x, widest) if _dtype_of(x) not in (None, widest) else x, args, kwargs)
-
-
-@functools.lru_cache(maxsize=512)
-def _op_class(op: str, rule: Rule) -> OpClass | None:
-    """The class ``op`` follows under ``rule``; None: the call is left alone."""
-    if op not in rule.table:
-        return None
-    if rule.forced:  # a float32 scope in a mixed one
-        cls = rule.table[op]
-        return OpClass.FLOAT32 if cls in (OpClass.LOWER, OpClass.FLOAT32) else cls
-    if not rule.policy.lowers_precision:
-        return None
-    return rule.table.classify(op, rule.policy)
-
-
-def _call(op: str, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    rule = active_rule()
-    cls = None if rule is None else _op_class(op, rule)
-    if cls is None or cls is OpClass.PASSTHROUGH:
-        return original(*args, **kwargs)
-    policy = rule.policy
-    args, kwargs = _retype(cls, policy, args, kwargs)
-    _local.depth = 1
-    try:
-        out = original(*args, **kwargs)
-    finally:
-        _local.depth = 0
-    if cls is OpClass.LOWER:
-        # Keras's matmul of float16 inputs computes and returns float32 on CPU: round to the compute dtype
-        target = policy.compute_dtype
-        out = keras.tree.map_structure(lambda y: _cast(y, target) if _dtype_of(y) == "float32" else y, out)
-    return out
-
-
-def _wrap(original: Callable[..., Any], op: str) -> Callable[..., Any]:
-    mpx.OP_TABLE[op]  # an unknown op raises here, at import
-
-    @functools.wraps(original)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if getattr(_local, "depth", 0) or not from_user_code(1):
-            return original(*args, **kwargs)
-        return _call(op, original, args, kwargs)
-
-    wrapper._mpx_op = op  # type: ignore[attr-defined]
-    wrapper._mpx_original = original  # type: ignore[attr-defined]
-    return tf.autograph.experimental.do_not_convert(wrapper)
-
-
-def autocast_op(op: str) -> Callable[[F], F]:
-    """Make a function of yours follow the class of ``op`` in the op table (a decorator).
-
-    For computations Keras and TensorFlow have no function for (an NLL loss
-    written by hand, say): under an active policy the function's floating
-    tensor arguments are cast as ``op``'s class says, and mpx leaves the
-    ``keras.ops``/``tf`` calls inside it alone.
-
-    >>> @autocast_op("nll_loss")
-    ... def nll(log_probs, target):
-    ...     picked = keras.ops.take_along_axis(log_probs, target[:, None], axis=-1)
-    ...     return -keras.ops.mean(picked)
-
-    Raises:
-        MPXError: for an op the op table does not know.
-    """
-    if not isinstance(op, str) or op not in mpx.OP_TABLE:
-        raise MPXError(f"op: {op!r} is not in the op table; known ops: {', '.join(sorted(mpx.OP_TABLE))}")
-
-    def decorate(fn: F) -> F:
-        @functools.wraps(fn)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if getattr(_local, "depth", 0):
-                return fn(*args, **kwargs)
-            return _call(op, fn, args, kwargs)
-
-        wrapper._mpx_op = op  # type: ignore[attr-defined]
-        return tf.autograph.experimental.do_not_convert(wrapper)  # type: ignore[return-value]
-
-    return decorate
-
-
-@functools.lru_cache(maxsize=1)
-def _targets() -> tuple[tuple[Any, str, str, str], ...]:
-    """(module, name, op, public name) of every function the dispatch replaces while installed."""
-    found = []
-    for path in ("ops", "ops.nn", "ops.numpy", "ops.linalg"):
-        module = keras
-        for part in path.split("."):
-            module = getattr(module, part)
-        found += [(module, n, op, f"keras.{path}.{n}") for n, op in KERAS_OPS.items() if hasattr(module, n)]
-    found += [
-        (keras.losses, n, op, f"keras.losses.{n}")
-        for n, op in LOSS_FUNCTIONS.items()
-        if hasattr(keras.losses, n)
-    ]
+def _tf_targets() -> Iterator[Target]:
+    """The ``tf.*`` functions of :data:`TF_OPS` this TensorFlow has."""
     for dotted, op in TF_OPS.items():
         path, _, name = dotted.rpartition(".")
         module = tf
         for part in filter(None, path.split(".")):
             module = getattr(module, part)
         if hasattr(module, name):
-            found.append((module, name, op, f"tf.{dotted.lstrip('.')}"))
-    return tuple(found)
+            yield Target(module, name, op, f"tf.{dotted.lstrip('.')}")
 
 
-def _install_all() -> None:
-    for entry in _plan():
-        module, name, original, wrapper, op = entry
-        current = getattr(module, name)
-        if current is not original:  # replaced since the last install (by a user's monkeypatch): wrap theirs
-            if getattr(current, "_mpx_op", None) is not None:
-                continue
-            original, wrapper = current, _wrap(current, op)
-            entry[2:4] = original, wrapper
-        setattr(module, name, wrapper)
-        _INSTALLED.append((module, name, original, wrapper))
-
-
-def _uninstall_all() -> None:
-    for module, name, original, wrapper in _INSTALLED:
-        if getattr(module, name, None) is wrapper:  # replaced by someone else meanwhile: theirs stays
-            setattr(module, name, original)
-    _INSTALLED.clear()
-
-
-_PLAN: list[list[Any]] = []
-
-
-def _plan() -> list[list[Any]]:
-    """[module, name, original, wrapper, op] per dispatched function, the wrappers made once."""
-    if not _PLAN:
-        _PLAN.extend(
-            [module, name, getattr(module, name), _wrap(getattr(module, name), op), op]
-            for module, name, op, _ in _targets()
-        )
-    return _PLAN
-
-
-def wrapped_functions() -> list[str]:
-    """The functions the dispatch replaces while a policy needs it, as ``"keras.ops.softmax"``, ``"tf.nn.softmax"``."""
-    return [public for _, _, _, public in _targets()]
-
-
-def _layer_hold(choices: Any) -> Callable[[], None]:
-    """What a layer with an mpx policy holds while its ``call`` runs: the dispatch, when its policy lowers."""
-    return hold(Rule(choices.policy, mpx.OP_TABLE))
-
-
-_dtype_policy.set_call_hold(_layer_hold)
+# The one registration: tf.* join the dispatch's install plan; AutoGraph never converts a wrapper.
+register_targets(_tf_targets, finish=tf.autograph.experimental.do_not_convert)

@@ -1,9 +1,9 @@
 """mpx policies as Keras 3 dtype policies: :mod:`mpx_keras.policy` (backend-neutral, #24), re-exported.
 
-On TensorFlow, mpx_tf plugs its op table for functional code (:mod:`mpx_tf.autocast`)
-into these policies: :func:`set_global_policy`, :func:`policy_scope` and
-:func:`apply_policy` then also decide which op table user code's ``keras.ops``
-and ``tf`` calls follow.
+:func:`set_global_policy`, :func:`policy_scope` and :func:`apply_policy` also
+decide which op table user code's ``keras.ops`` calls follow
+(:mod:`mpx_keras.autocast`); on TensorFlow, importing mpx_tf adds the ``tf.*``
+functions to it (:mod:`mpx_tf.autocast`).
 """
 
 import importlib
@@ -26,8 +26,7 @@ from mpx_keras.policy import (
 )
 
 _walk = _policy._walk  # the one walk of a model's layers (tests read it here)
-_autocast = importlib.import_module("mpx_tf.autocast")  # the module (mpx_tf.autocast is also a function)
-_policy.set_op_table_hooks(nested_rule=_autocast.nested_rule, enable=_autocast.enable, hold=_autocast.hold)
+importlib.import_module("mpx_tf.autocast")  # registers the tf.* functions with the op table's dispatch
 
 __all__ = [
     "CATEGORY_LAYERS",
