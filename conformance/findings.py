@@ -65,18 +65,28 @@ SEVERITY_HELP = {
 #: What "native" means for each backend: the machinery the native column runs.
 NATIVE = {
     "torch": "torch.autocast (CPU) and torch.amp.GradScaler, with their defaults; DDP and FSDP2 (fully_shard "
-    "with a MixedPrecisionPolicy) on gloo; accumulation as scale(loss).backward() k times, then step/update",
+    "with a MixedPrecisionPolicy) on gloo; accumulation as scale(loss).backward() k times, then step/update; "
+    "FP8: torchao's emulated float8 training (dynamic tensorwise scaling)",
     "tf": "Keras 3 dtype policies (keras.mixed_precision) and keras.optimizers.LossScaleOptimizer, under "
-    "MirroredStrategy for replicas and with the inner optimizer's gradient_accumulation_steps",
+    "MirroredStrategy for replicas and with the inner optimizer's gradient_accumulation_steps; "
+    "FP8: Keras's quantize(\"float8\") Dense",
     "jax": "plain JAX with jmp-style casts (inputs and params cast to the compute dtype), optax, "
     "and Flax's DynamicScale; a jmp-style loss scale (no axis name) under shard_map and jit sharding, "
-    "optax.MultiSteps for accumulation",
+    "optax.MultiSteps for accumulation; FP8: Flax's Fp8DirectDotGeneralOp and fp8_ops.quantize",
+    "keras-jax": "Keras 3 on JAX: dtype policies (keras.mixed_precision) and keras.optimizers.LossScaleOptimizer, "
+    "its steps through the pure stateless_apply under jax.jit (what fit does), with the inner optimizer's "
+    "gradient_accumulation_steps",
+    "keras-torch": "Keras 3 on PyTorch: dtype policies (keras.mixed_precision) and "
+    "keras.optimizers.LossScaleOptimizer, eager apply (what fit does), with the inner optimizer's "
+    "gradient_accumulation_steps",
 }
 #: The native loss scaler of each backend.
 SCALER_NAME = {
     "torch": "torch.amp.GradScaler",
     "tf": "Keras's LossScaleOptimizer",
     "jax": "Flax's DynamicScale",
+    "keras-jax": "Keras's LossScaleOptimizer on JAX",
+    "keras-torch": "Keras's LossScaleOptimizer on PyTorch",
 }
 #: What runs replicas natively (group ``distributed``) and accumulates (group ``accumulation``).
 REPLICA_NAME = {
@@ -86,7 +96,9 @@ REPLICA_NAME = {
 }
 ACCUMULATION_NAME = {"torch": "torch.amp.GradScaler with accumulated backward passes",
                      "tf": "Keras's gradient_accumulation_steps under its LossScaleOptimizer",
-                     "jax": "optax.MultiSteps with a per-micro-batch loss scale"}  # fmt: skip
+                     "jax": "optax.MultiSteps with a per-micro-batch loss scale",
+                     "keras-jax": "Keras's gradient_accumulation_steps under its LossScaleOptimizer on JAX",
+                     "keras-torch": "Keras's gradient_accumulation_steps under its LossScaleOptimizer on PyTorch"}  # fmt: skip
 _WIDTH = {"float64": 64, "float32": 32, "float16": 16, "bfloat16": 16}
 
 
@@ -225,6 +237,10 @@ def _classify(r: dict, params: dict) -> tuple[str, str, str]:
         if r["case"] == "portability.saves_neutral_format":
             return "API or format gap", "medium", "saves"
         return "API or format gap", "medium", "resume"
+    if group == "fp8" and isinstance(obs, dict):  # issue 26: named by conformance/fp8/cases.py
+        from conformance.fp8.cases import fp8_topic
+
+        return fp8_topic(r["case"], params, exp, obs)
     return "default differs", "low", f"other:{group}"
 
 
@@ -232,11 +248,13 @@ def _classify(r: dict, params: dict) -> tuple[str, str, str]:
 
 #: Who a finding is about, per backend: ``subject`` of each entry of :data:`TEXTS`.
 SUBJECTS: dict[str, dict[str, str]] = {
-    "framework": {"torch": "torch autocast", "tf": "Keras", "jax": "plain JAX"},
+    "framework": {"torch": "torch autocast", "tf": "Keras", "jax": "plain JAX", "keras-jax": "Keras on JAX",
+                  "keras-torch": "Keras on PyTorch"},
     "scaler": SCALER_NAME,
     "stepper": {**SCALER_NAME, "jax": "plain optax"},  # what applies (or skips) a non-finite step
     "replicas": REPLICA_NAME,
     "accumulation": ACCUMULATION_NAME,
+    "fp8": {"torch": "torchao float8 training", "tf": "Keras float8 Dense", "jax": "Flax fp8_ops"},
 }
 
 #: What a scale-trace cause means for training, the second half of a ``trace`` finding's explanation.
@@ -379,6 +397,9 @@ TEXTS: dict[str, tuple[str, str, str]] = {
         "{name} differs from mpx on real models: {some_cases}",
         "See the observed values: graph counts, the logits' error or the saved-activation bytes.",
     ),
+    "fp8-quantize": ("fp8", "{name}: quantized bytes differ ({causes}): {some_cases}", "{fp8_effects}"),
+    "fp8-trace": ("fp8", "{name}: FP8 scales follow other rules ({causes}): {some_cases}", "{fp8_effects}"),
+    "fp8-matmul": ("fp8", "{name}: the FP8 GEMM differs ({causes}): {some_cases}", "{fp8_effects}"),
     "other": (
         "framework",
         "{name}: {count} other divergences in {group}",
@@ -462,6 +483,11 @@ class _Fields(dict):
 
     def _engines(self) -> str:
         return _list([r["observed"].get("engine", "") for r in self.rows], 3)
+
+    def _fp8_effects(self) -> str:
+        from conformance.fp8.cases import FP8_EFFECTS
+
+        return " ".join(FP8_EFFECTS.get(c, c) for c in self.topic.split(":")[1].split("+"))
 
     def _keys(self) -> str:
         return _list(sorted((self.rows[0].get("observed") or {}).get("state_dict", {}) or {}), 4)

@@ -23,6 +23,7 @@ from typing import Any
 
 from conformance import findings as F
 from conformance import plots
+from conformance.agreement import TRACE_GROUPS, keras_traces, keras_traces_line
 from conformance.cases import GROUPS
 
 __all__ = [
@@ -137,9 +138,6 @@ _STUCK_CAUSE = {"min_scale": "gradients overflow at min_scale", "loss": "the los
 
 
 #: groups whose results carry a scale trace (one value per optimizer step) to align and plot
-TRACE_GROUPS = ("scaler", "portability", "distributed", "accumulation")
-
-
 def _scale(v: float) -> str:
     return f"{v:.9g}"
 
@@ -215,28 +213,33 @@ def terminal(data: dict) -> str:
     cols = _columns(data)
     table = counts(data)
     width = max(12, *(len(g) for g in _groups(data)))
-    head = f"{'group':<{width}} " + " ".join(f"{b + ' ' + m:>16}" for b, m in cols)
+    col = max(16, *(len(b) + len(m) + 1 for b, m in cols)) if cols else 16
+    head = f"{'group':<{width}} " + " ".join(f"{b + ' ' + m:>{col}}" for b, m in cols)
     lines = ["", "conformance (✓ pass, ≠ differs from the mpx spec, ✗ fail, N skip: not applicable, N error: "
              "the adapter crashed)", head,
              "-" * len(head)]  # fmt: skip
     for g in _groups(data):
-        lines.append(f"{g:<{width}} " + " ".join(f"{_cell(table[(g, b, m)]):>16}" for b, m in cols))
+        lines.append(f"{g:<{width}} " + " ".join(f"{_cell(table[(g, b, m)]):>{col}}" for b, m in cols))
     for backend, meta in data["backends"].items():
         lines.append(f"  {backend}: {_backend_line(backend, meta)}")
+    agreement = keras_traces(data)
+    if agreement:
+        lines.append(f"  {keras_traces_line(agreement)}")
+    name = max(5, *(len(b) for b in data["backends"])) if data["backends"] else 5
     found = _findings(data)
     lines += ["", f"findings: {len(divergences(data))} native divergences in {len(found)} findings "
               "(severity, backend, finding; the cases and what each means are in the reports)"]  # fmt: skip
     for f in found:
-        lines.append(f"  {f['severity']:<6} {f['backend']:<5} {f['title']}")
+        lines.append(f"  {f['severity']:<6} {f['backend']:<{name}} {f['title']}")
     fails = failures(data)
     lines.append("")
     lines.append(f"mpx failures: {len(fails)}" + ("" if fails else f" ({_none_failed(data)})"))
     for r in fails:
-        lines.append(f"  {r['backend']:<5} {r['case']}: {r['detail'] or _observed(r)}")
+        lines.append(f"  {r['backend']:<{name}} {r['case']}: {r['detail'] or _observed(r)}")
     crashed = errors(data)
     if crashed:
         lines += ["", f"adapter errors: {len(crashed)} (the adapter crashed; not judged)"]
-        lines += [f"  {r['backend']:<5} {r['mode']:<6} {r['case']}: {_observed(r)}" for r in crashed]
+        lines += [f"  {r['backend']:<{name}} {r['mode']:<6} {r['case']}: {_observed(r)}" for r in crashed]
     return "\n".join(lines)
 
 
@@ -372,6 +375,8 @@ def markdown(data: dict, plot_dir: str = "plots") -> str:
         out.append("")
         out += [f"- {t}" for t in s["findings"]] or ["- no native divergence"]
         out.append("")
+    if keras_traces(data):
+        out += [keras_traces_line(keras_traces(data)) + ".", ""]
     out += ["## Legend", ""]
     out += [f"- `{_legend_key(k)}`: {v}" for k, v in _LEGEND.items()]
     out += [f"- severity **{k}**: {v}" for k, v in F.SEVERITY_HELP.items()]
@@ -467,7 +472,10 @@ def html_report(data: dict) -> str:
                  f"<br>findings: {sev}</p><ul>"
                  + "".join(f"<li>{_sev(f['severity'])} {e(f['title'])}</li>" for f in found if f["backend"] == backend)
                  + ("" if s["findings"] else "<li>no native divergence</li>") + "</ul></div>")  # fmt: skip
-    p.append("</div></section>")
+    p.append("</div>")
+    if keras_traces(data):
+        p.append(f"<p id='keras-traces'>{e(keras_traces_line(keras_traces(data)))}.</p>")
+    p.append("</section>")
     p.append("<section id='legend'><h2>Legend</h2><dl class='legend'>")
     for k, v in _LEGEND.items():
         p.append(f"<dt class='{k}'>{e(_legend_key(k))}</dt><dd>{e(v)}</dd>")

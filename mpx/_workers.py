@@ -19,8 +19,14 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-#: backend name -> the module it needs (what ``is_installed`` looks for).
-BACKENDS: dict[str, str] = {"torch": "torch", "tf": "tensorflow", "jax": "jax"}
+#: The frameworks' own backends (what ``mpx bench``, ``mpx doctor`` and ``mpx compare`` run): name -> module.
+FRAMEWORKS: dict[str, str] = {"torch": "torch", "tf": "tensorflow", "jax": "jax"}
+#: The Keras 3 columns of ``mpx conformance``: name -> the ``KERAS_BACKEND`` their worker runs Keras on
+#: (``tf`` is Keras on TensorFlow, with TensorFlow's own ops and ``tf.distribute``).
+KERAS_BACKENDS: dict[str, str] = {"tf": "tensorflow", "keras-jax": "jax", "keras-torch": "torch"}
+#: backend name -> the module it needs (what ``is_installed`` looks for): the frameworks, then Keras on
+#: JAX and on PyTorch (each needs its framework; Keras itself comes with TensorFlow's extra and theirs).
+BACKENDS: dict[str, str] = {**FRAMEWORKS, "keras-jax": "jax", "keras-torch": "torch"}
 #: The folder holding ``mpx``, ``conformance`` and ``mpx_bench``; workers run there.
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,16 +36,17 @@ def is_installed(backend: str) -> bool:
     return importlib.util.find_spec(BACKENDS[backend]) is not None
 
 
-def backend_names(names: Iterable[str] | None) -> list[str]:
-    """``names`` without repeats, or every backend for None.
+def backend_names(names: Iterable[str] | None, known: Iterable[str] | None = None) -> list[str]:
+    """``names`` without repeats, or every backend of ``known`` (default :data:`BACKENDS`) for None.
 
     Raises:
         ValueError: naming the first unknown backend and the known ones.
     """
-    chosen = list(dict.fromkeys(names or BACKENDS))
-    unknown = [b for b in chosen if b not in BACKENDS]
+    known = list(known if known is not None else BACKENDS)
+    chosen = list(dict.fromkeys(names or known))
+    unknown = [b for b in chosen if b not in known]
     if unknown:
-        raise ValueError(f"unknown backend {unknown[0]!r}; available: {', '.join(BACKENDS)}")
+        raise ValueError(f"unknown backend {unknown[0]!r}; available: {', '.join(known)}")
     return chosen
 
 
@@ -66,11 +73,19 @@ def unwritable(folder: Path) -> str | None:
     return None
 
 
-def worker_env() -> dict[str, str]:
-    """The environment of a worker: Keras on TensorFlow, quiet TF logs, ``ROOT`` importable."""
+def worker_env(backend: str | None = None) -> dict[str, str]:
+    """The environment of ``backend``'s worker: quiet TF logs, ``ROOT`` importable, and Keras's backend.
+
+    ``KERAS_BACKEND`` is the one a Keras column runs on (:data:`KERAS_BACKENDS`: ``tf`` tensorflow,
+    ``keras-jax`` jax, ``keras-torch`` torch), whatever the caller's environment says; for another
+    backend (or None) it stays as it is, tensorflow when unset.
+    """
     env = dict(os.environ)
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    env.setdefault("KERAS_BACKEND", "tensorflow")
+    if backend in KERAS_BACKENDS:
+        env["KERAS_BACKEND"] = KERAS_BACKENDS[backend]
+    else:
+        env.setdefault("KERAS_BACKEND", "tensorflow")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     return env
 
@@ -80,8 +95,9 @@ def run_worker(
     args: Sequence[str],
     on_row: Callable[[dict[str, Any]], None] | None = None,
     timeout_s: float | None = None,
+    backend: str | None = None,
 ) -> tuple[list[dict[str, Any]], int, str]:
-    """Run ``python -m MODULE ARGS`` in :data:`ROOT` with :func:`worker_env`, reading its JSON lines.
+    """Run ``python -m MODULE ARGS`` in :data:`ROOT` with ``worker_env(backend)``, reading its JSON lines.
 
     Each stdout line that parses as JSON is kept (others are ignored) and handed to
     ``on_row`` as it arrives.  stderr is read on a thread of its own, so a worker that
@@ -93,7 +109,7 @@ def run_worker(
         so when the worker was killed for the timeout).
     """
     proc = subprocess.Popen(
-        [sys.executable, "-m", module, *args], cwd=ROOT, env=worker_env(),
+        [sys.executable, "-m", module, *args], cwd=ROOT, env=worker_env(backend),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     err: list[str] = []

@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 import mpx
-from mpx._workers import BACKENDS, backend_names
+from mpx._workers import FRAMEWORKS as BACKENDS  # the frameworks: Keras columns are conformance's
+from mpx._workers import backend_names
 from mpx_bench.models import MODELS, SIZES
 
 __all__ = ["add_bench_arguments", "add_doctor_arguments", "run_bench", "run_doctor"]
@@ -119,7 +120,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
     prog = "mpx bench"
     try:
-        names = backend_names(args.backend)
+        names = backend_names(args.backend, BACKENDS)
     except ValueError as err:
         return _usage(prog, str(err))
     if args.model not in MODELS:
@@ -182,7 +183,7 @@ def run_doctor(args: argparse.Namespace) -> int:
 
     prog = "mpx doctor"
     try:
-        names = backend_names(args.backend)
+        names = backend_names(args.backend, BACKENDS)
     except ValueError as err:
         return _usage(prog, str(err))
     try:

@@ -13,7 +13,7 @@ import importlib
 import os
 import sys
 
-from mpx._workers import BACKENDS
+from mpx._workers import FRAMEWORKS as BACKENDS
 from mpx_bench.harness import Emitter, run_configs
 from mpx_bench.models import MODELS, SIZES
 

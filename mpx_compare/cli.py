@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 
 import mpx
-from mpx._workers import BACKENDS, backend_names
+from mpx._workers import FRAMEWORKS as BACKENDS  # the frameworks: Keras columns are conformance's
+from mpx._workers import backend_names
 from mpx_compare.data import DATASETS
 
 __all__ = ["add_arguments", "main"]
@@ -61,7 +62,7 @@ def main(args: argparse.Namespace) -> int:
 
     prog = "mpx compare"
     try:
-        names = backend_names(args.backend)
+        names = backend_names(args.backend, BACKENDS)
         if args.model not in MODELS:
             raise ValueError(f"--model: unknown model {args.model!r}; available: {', '.join(MODELS)}")
         dataset = args.dataset or ("sequence" if args.model == "transformer" else "digits")

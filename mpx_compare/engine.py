@@ -25,7 +25,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import mpx
-from mpx._workers import BACKENDS, Progress, is_installed, run_worker
+from mpx._workers import FRAMEWORKS as BACKENDS
+from mpx._workers import Progress, is_installed, run_worker
 from mpx_bench.machine import machine_info
 
 __all__ = ["FORMAT", "compare", "run", "summarize"]

@@ -12,7 +12,7 @@ import importlib
 import os
 import sys
 
-from mpx._workers import BACKENDS
+from mpx._workers import FRAMEWORKS as BACKENDS
 from mpx_bench.harness import Emitter
 from mpx_compare import data as datasets
 from mpx_compare.workers.common import Settings

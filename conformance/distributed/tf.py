@@ -7,6 +7,10 @@ Natively ``keras.optimizers.LossScaleOptimizer``; under mpx ``mpx_tf.LossScaleOp
 all-reduces the gradients inside ``optimizer.apply`` (in ``_backend_update_step``), after the
 scaler's check, so "after the reduction" is, for Keras, the last point user code reaches: the
 replica's gradients right before ``apply``.
+
+The script runs the modes ``MPX_CONFORMANCE_MODES`` names (both by default); without ``mpx`` it
+blocks mpx's imports (:mod:`conformance.isolation`).  Scaler configs are
+``mpx.ScalerConfig.to_dict()`` dicts: read by key natively, handed to mpx_tf under mpx.
 """
 
 from __future__ import annotations
@@ -23,8 +27,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np
 import tensorflow as tf
 
+from conformance import isolation
+
 N = 2
-MODES = ("native", "mpx")
 ENGINE_NAMES = {
     "per_replica": "MirroredStrategy, 2 logical CPUs",
     "sharded": None,
@@ -42,9 +47,7 @@ def _configure() -> list[str]:
 def _run(p: dict, mode: str, devices: list[str]) -> dict:
     import keras
 
-    import mpx
-
-    cfg = mpx.ScalerConfig.from_dict(p["config"])
+    cfg = p["config"]
     strategy = tf.distribute.MirroredStrategy(devices)
     rng = np.random.default_rng(0)
     init = [rng.standard_normal((4, 8)) / 2, np.zeros(8), rng.standard_normal((8, 4)) / 3, np.zeros(4)]
@@ -55,8 +58,8 @@ def _run(p: dict, mode: str, devices: list[str]) -> dict:
         variables = [keras.Variable(a.astype(np.float32)) for a in init]
         inner = keras.optimizers.SGD(0.1)
         if mode == "native":
-            opt = keras.optimizers.LossScaleOptimizer(inner, initial_scale=cfg.init_scale,
-                                                      dynamic_growth_steps=cfg.growth_interval)  # fmt: skip
+            opt = keras.optimizers.LossScaleOptimizer(inner, initial_scale=cfg["init_scale"],
+                                                      dynamic_growth_steps=cfg["growth_interval"])  # fmt: skip
         else:
             import mpx_tf
 
@@ -106,12 +109,13 @@ def _run(p: dict, mode: str, devices: list[str]) -> dict:
 
 def main(argv: list[str]) -> int:
     src, dst = argv
+    modes = isolation.modes_from_env()  # natively: the blocker, before anything runs
     specs = json.loads(Path(src).read_text())
     devices = _configure()
     out: dict[str, dict] = {}
     for cid, p in specs.items():
         out[cid] = {}
-        for mode in MODES:
+        for mode in modes:
             if p["engine"] == "sharded":
                 out[cid][mode] = {"skip": SHARDED_SKIP}
                 continue
@@ -121,6 +125,7 @@ def main(argv: list[str]) -> int:
                 out[cid][mode] = {"raised": f"{type(err).__name__}: {str(err).strip().splitlines()[0][:300]}"}
                 if os.environ.get("MPX_CONFORMANCE_DEBUG"):
                     traceback.print_exc()
+    out["_isolation"] = isolation.report()
     Path(dst).write_text(json.dumps(out))
     return 0
 

@@ -65,7 +65,17 @@ def test_bad_usage_exits_2_with_one_line(args, message):
 def test_conformance_unknown_backend_exits_2_naming_the_known_ones():
     out = run("conformance", "--backend", "mxnet")
     assert out.returncode == 2 and out.stdout == ""
-    assert out.stderr.strip() == "mpx conformance: unknown backend 'mxnet'; available: torch, tf, jax"
+    assert out.stderr.strip() == (
+        "mpx conformance: unknown backend 'mxnet'; available: torch, tf, jax, keras-jax, keras-torch"
+    )
+
+
+def test_conformance_help_lists_the_keras_columns_and_bench_only_the_frameworks():
+    conformance = " ".join(run("conformance", "--help").stdout.split())  # argparse wraps the help text
+    assert "torch, tf, jax, keras-jax, keras-torch" in conformance
+    for command in ("bench", "compare"):
+        out = run(command, "--backend", "keras-jax")
+        assert out.returncode == 2 and "unknown backend 'keras-jax'; available: torch, tf, jax" in out.stderr
 
 
 def test_help_lists_every_command():
