@@ -18,9 +18,10 @@ cannot do is not a version problem: that raises :func:`unsupported_on_backend`'s
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import keras
@@ -32,12 +33,14 @@ __all__ = [
     "OPTIMIZER_METHODS",
     "OPTIMIZER_STATE",
     "REGISTERED_NAMES_TO_OBJS",
+    "AutocastScope",
     "StatelessScope",
     "backend",
     "check_optimizer",
     "child_layers",
     "dtype_policy_parse_name",
     "get_keras_mask",
+    "in_xla_context",
     "is_functional",
     "keras_history_operation",
     "missing",
@@ -45,6 +48,7 @@ __all__ = [
     "optimizer_member",
     "set_dtype_policy_parse_name",
     "set_keras_mask",
+    "unlocked",
     "unsupported_on_backend",
 ]
 
@@ -113,6 +117,10 @@ get_keras_mask: Callable[[Any], Any] = _module_attribute(
 set_keras_mask: Callable[[Any, Any], None] = _module_attribute(
     "keras", "keras.src.backend", "set_keras_mask", "keeping a Keras mask on a cast output"
 )
+#: Keras's autocast scope: ``AutocastScope(None)`` reads variables in their own dtype inside a layer call.
+AutocastScope: Any = _module_attribute(
+    "keras", "keras.src.backend", "AutocastScope", "FP8 layers quantizing float32 master weights (mpx_keras.float8)"
+)
 #: Keras's scope mapping variables to values (the jax trainer's pure optimizer step).
 StatelessScope: Any = _attribute(
     "keras", keras, "StatelessScope", "LossScaleOptimizer.stateless_apply (the jax trainer's pure step)"
@@ -135,6 +143,22 @@ def name_scope_stack() -> list[Any]:
     return _global_state.get_global_attribute("name_scope_stack") or []
 
 
+def in_xla_context() -> bool:
+    """Whether the code now being traced compiles with XLA on TensorFlow (``jit_compile=True``), where a
+    step cannot call the host (TensorFlow's private ``control_flow_util.GraphOrParentsInXlaContext``)."""
+    if backend() != "tensorflow":
+        return False
+    import tensorflow as tf
+
+    in_xla = _module_attribute(
+        "tensorflow",
+        "tensorflow.python.ops.control_flow_util",
+        "GraphOrParentsInXlaContext",
+        "the stuck check of a jit_compile step (XLA cannot call the host)",
+    )
+    return bool(in_xla(tf.compat.v1.get_default_graph()))
+
+
 def is_functional(model: Any) -> bool:
     """Whether ``model`` is a Keras functional model (its outputs come from layers of its graph)."""
     return isinstance(model, _Functional)
@@ -145,6 +169,19 @@ def child_layers(layer: keras.layers.Layer) -> list[keras.layers.Layer]:
     """The layers directly under ``layer`` (Keras's private ``_flatten_layers``)."""
     flatten = _attribute("keras", layer, "_flatten_layers", "walking a model's layers (apply_policy, watch)")
     return list(flatten(include_self=False, recursive=False))
+
+
+@contextlib.contextmanager
+def unlocked(layer: keras.layers.Layer) -> Iterator[None]:
+    """Let a built ``layer`` take new variables (Keras locks a layer's tracker after ``build``), then lock it again."""
+    tracker = _attribute("keras", layer, "_tracker", "adding FP8 state to a built layer (mpx_keras.float8)")
+    was_locked = tracker.locked
+    tracker.unlock()
+    try:
+        yield
+    finally:
+        if was_locked:
+            tracker.lock()
 
 
 def keras_history_operation(tensor: Any) -> Any:

@@ -408,3 +408,6 @@ def run_accumulation(p: dict, mode: str) -> dict:
             scales.append(float(after))
             start = np.asarray(params)
     return {"applied": applied, "scales": scales, "micro_scales": micro, "param": float(params[0])}
+
+# the fp8 group (issue 26): conformance/fp8/jax.py
+from conformance.fp8.jax import run_fp8_matmul, run_fp8_quantize, run_fp8_trace  # noqa: E402, F401

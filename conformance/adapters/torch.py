@@ -328,3 +328,6 @@ def run_models(p: dict, mode: str) -> dict:
     from conformance.models import torch as models
 
     return models.observe(p, mode)
+
+# the fp8 group (issue 26): conformance/fp8/torch.py
+from conformance.fp8.torch import run_fp8_matmul, run_fp8_quantize, run_fp8_trace  # noqa: E402, F401
