@@ -22,14 +22,17 @@ from torch import nn
 
 from mpx import Policy
 from mpx.versions import missing_internal, require_version
+from mpx_torch import float8
 from mpx_torch.grad_scaler import GradScaler, OptState
 
 __all__ = [
     "HalfParametersWarning",
+    "commit_float8",
     "library_internal",
     "lightning_precision",
     "require_library",
     "unscale_once",
+    "uses_float8",
     "warn_half_parameters",
 ]
 
@@ -104,3 +107,21 @@ def unscale_once(scaler: GradScaler, optimizer: Any) -> None:
         return
     if scaler.optimizer_stage(optimizer) is OptState.READY:
         scaler.unscale_(optimizer)
+
+
+def uses_float8(policy: Policy) -> bool:
+    """Whether ``policy`` or one of its overrides turns FP8 on (``fp8=``): its integrations then commit."""
+    return policy.fp8 is not None or any(rule.policy.fp8 is not None for rule in policy.overrides)
+
+
+def commit_float8(models: Any, scaler: GradScaler) -> None:
+    """Commit the FP8 state of ``models`` (a module or an iterable of them) after one optimizer step.
+
+    :func:`mpx_torch.float8.commit` with the scaler after its ``update()``: nothing moves on a step
+    the scaler skipped, so the FP8 state moves exactly when the optimizer state does (once per
+    optimizer step, so once per gradient-accumulation window; replicas all-reduce their amaxes).
+    A module without FP8 Linears is left alone.
+    """
+    for model in [models] if isinstance(models, nn.Module) else models:
+        if any(True for _ in float8.float8_modules(model)):
+            float8.commit(model, scaler)

@@ -16,6 +16,13 @@ prepared with :func:`mpx_torch.prepare` (its forward runs under the policy),
 (``accelerator.optimizer_step_was_skipped`` is True and a prepared LR
 scheduler does not step), and ``save_state``/``load_state`` save and restore
 the scale (``scaler.pt``; one written by ``torch.amp.GradScaler`` loads too).
+
+Under an FP8 policy (``fp8=``), ``prepare`` turns the policy's ``nn.Linear``
+modules into :class:`mpx_torch.float8.Float8Linear`, and each prepared
+optimizer's ``step()`` commits the FP8 state of the prepared models it trains
+(:func:`mpx_torch.float8.commit` with the scaler) when the gradients sync: once
+per accumulation window, nothing on a skipped step.  The FP8 buffers are in
+the model's ``state_dict`` (``save_state`` writes them with the weights).
 """
 
 from __future__ import annotations
@@ -33,9 +40,11 @@ from mpx import MPXError, OpTable, PolicySpec, ScalerConfig, UnsupportedTypeErro
 from mpx_torch._compat import step_supports_amp_scaling
 from mpx_torch._integrations import (
     HalfParametersWarning,
+    commit_float8,
     library_internal,
     require_library,
     unscale_once,
+    uses_float8,
     warn_half_parameters,
 )
 from mpx_torch.grad_scaler import GradScaler
@@ -79,6 +88,28 @@ def _report_fused_skips(accelerated: AcceleratedOptimizer, scaler: GradScaler) -
 
     # a bound method, as torch's LR schedulers expect of optimizer.step (they wrap its __func__)
     accelerated.step = types.MethodType(functools.wraps(step.__func__)(checked_step), accelerated)  # type: ignore[method-assign]
+
+
+def _commit_float8_after_steps(
+    accelerator: Accelerator, accelerated: AcceleratedOptimizer, scaler: GradScaler
+) -> None:
+    """After each synced ``step()`` of ``accelerated``, commit the FP8 state of the prepared models it trains.
+
+    Accelerate's ``step()`` runs the scaler's ``step`` and ``update`` only when the gradients sync (the
+    end of an accumulation window) and does nothing in between, so the commit follows it there: the
+    FP8 state moves exactly when the optimizer state does (nothing on a skipped step).
+    """
+    step = accelerated.step
+    params = {id(p) for group in accelerated.optimizer.param_groups for p in group["params"]}
+
+    def committing_step(self: AcceleratedOptimizer, *args: Any, **kwargs: Any) -> Any:
+        output = step(*args, **kwargs)
+        if self.gradient_state.sync_gradients:
+            models = _prepared(accelerator, "models")
+            commit_float8([m for m in models if any(id(p) in params for p in m.parameters())], scaler)
+        return output
+
+    accelerated.step = types.MethodType(functools.wraps(step.__func__)(committing_step), accelerated)  # type: ignore[method-assign]
 
 
 def _check(accelerator: Any) -> None:
@@ -175,6 +206,8 @@ def attach(
         accelerated = original_prepare_optimizer(optimizer, *args, **kwargs)
         if isinstance(accelerated, AcceleratedOptimizer) and step_supports_amp_scaling(accelerated.optimizer):
             _report_fused_skips(accelerated, scaler)
+        if isinstance(accelerated, AcceleratedOptimizer) and uses_float8(resolved):
+            _commit_float8_after_steps(accelerator, accelerated, scaler)
         return accelerated
 
     def unscale_gradients(optimizer: Any = None) -> None:

@@ -14,6 +14,13 @@ state is saved in the checkpoint under ``"MPXPrecision"`` (the neutral
 ``mpx.scaler/1`` dict); a checkpoint written with Lightning's own
 ``MixedPrecision("16-mixed")`` loads too, with its scale.
 
+Under an FP8 policy (``"mixed_bfloat16,fp8=hybrid"``, ``"mixed_bfloat16_fp8"``...),
+:func:`mpx_torch.prepare` turns the policy's ``nn.Linear`` modules into
+:class:`mpx_torch.float8.Float8Linear` and the plugin commits their FP8 state
+after each optimizer step (:func:`mpx_torch.float8.commit` with its scaler):
+once per accumulation window, nothing on a step the scaler skipped.  The FP8
+buffers are in the module's ``state_dict``, so checkpoints carry them.
+
 Two classes because Lightning has two plugin protocols: the ``Trainer``
 calls ``optimizer_step(optimizer, model, closure)`` and runs the closure
 inside it, ``Fabric`` calls ``optimizer_step(optimizer)`` after the user's
@@ -40,10 +47,12 @@ from mpx import MPXError, OpTable, Policy, PolicySpec, ScalerConfig, get_policy
 from mpx_torch._compat import step_supports_amp_scaling
 from mpx_torch._integrations import (
     HalfParametersWarning,
+    commit_float8,
     library_internal,
     lightning_precision,
     require_library,
     unscale_once,
+    uses_float8,
     warn_half_parameters,
 )
 from mpx_torch.autocast import autocast
@@ -82,11 +91,25 @@ class _MPXPlugin:
         self.precision = lightning_precision(self.policy)
         self._device_type = device_type
         self._op_table = op_table
+        self._float8 = uses_float8(self.policy)
+        # the modules convert_module prepared: their FP8 state commits after each optimizer step
+        self._modules: list[Module] = []
 
     def convert_module(self, module: Module) -> Module:
         """Prepare ``module`` under the policy, in place (warns when half parameters are upcast)."""
         warn_half_parameters(module, self.policy, stacklevel=4)
-        return prepare(module, self.policy, device_type=self._device_type, op_table=self._op_table)
+        prepared = prepare(module, self.policy, device_type=self._device_type, op_table=self._op_table)
+        if self._float8 and not any(m is prepared for m in self._modules):
+            self._modules.append(prepared)
+        return prepared
+
+    def _commit_float8(self, optimizer: Any) -> None:
+        """After an optimizer step (and the scaler's update): commit the FP8 state of the prepared modules
+        that ``optimizer`` trains; nothing moves on a step the scaler skipped."""
+        if not self._float8:
+            return
+        params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        commit_float8([m for m in self._modules if any(id(p) in params for p in m.parameters())], self.scaler)
 
     def forward_context(self) -> contextlib.AbstractContextManager:
         """The policy's :class:`mpx_torch.autocast` (around each training, validation, test and predict step)."""
@@ -108,6 +131,7 @@ class _MPXPlugin:
             )
         output = self.scaler.step(optimizer, **kwargs)
         self.scaler.update()
+        self._commit_float8(optimizer)
         return output
 
 
@@ -166,7 +190,18 @@ class MPXPrecision(_MPXPlugin, Precision):
     ) -> Any:
         """Run the closure, unscale, clip (``on_before_optimizer_step``), step when finite, update the scaler."""
         if not self.scaler.is_enabled():
-            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+            stepped: list[bool] = []
+
+            def run_closure() -> Any:
+                result = closure()
+                # automatic optimization whose training_step returned None: nothing to step or commit
+                stepped.append(result is not None or not model.automatic_optimization)
+                return result
+
+            output = super().optimizer_step(optimizer, model=model, closure=run_closure, **kwargs)
+            if all(stepped):
+                self._commit_float8(optimizer)
+            return output
         closure_result = closure()
         # automatic optimization whose training_step returned None: no backward, nothing to step
         skip = closure_result is None and model.automatic_optimization
@@ -242,7 +277,9 @@ class MPXFabricPrecision(_MPXPlugin, FabricPrecision):
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         """Step when the gradients are finite (unscaling first unless clipping did), update the scaler."""
         if not self.scaler.is_enabled():
-            return super().optimizer_step(optimizer, **kwargs)
+            output = super().optimizer_step(optimizer, **kwargs)
+            self._commit_float8(optimizer)
+            return output
         return self._step_with_scaler(optimizer, **kwargs)
 
     def unscale_gradients(self, optimizer: Optimizer) -> None:

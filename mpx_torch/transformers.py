@@ -19,6 +19,14 @@ scheduler; checkpoints save the scaler state as ``scaler.pt`` (the neutral
 ``scaler.pt`` written by ``torch.amp.GradScaler`` loads too); every training
 log gains ``loss_scale`` (the scale after the last step) and
 ``skipped_steps`` (the total skipped so far).
+
+Under an FP8 policy (``"mixed_bfloat16,fp8=hybrid,@lm_head={fp8=none}"``...), the
+model's ``nn.Linear`` modules the policy names become
+:class:`mpx_torch.float8.Float8Linear` and their FP8 state commits after each
+optimizer step through the Accelerator (:func:`mpx_torch.accelerate.attach`):
+once per gradient-accumulation window, nothing on a skipped step.  The FP8
+buffers are persistent, so ``model.safetensors`` in each checkpoint holds them
+and ``resume_from_checkpoint`` restores them with the weights.
 """
 
 from __future__ import annotations
