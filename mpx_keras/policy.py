@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from collections.abc import Iterator
+from typing import Any
 
 import keras
 
 import mpx
 from mpx.errors import MPXError, PolicyError, UnsupportedTypeError
-from mpx.ops import OpTable, as_op_table
 from mpx_keras import _compat
+from mpx_keras.autocast import LAYER_TABLE, Rule, check_op_table, hold, nested_rule
 from mpx_keras.dtype_policy import NAME_PREFIX, cast_output, install_layer_hook, mpx_name
 
 __all__ = [
@@ -38,58 +38,7 @@ __all__ = [
     "op_of",
     "policy_scope",
     "set_global_policy",
-    "set_op_table_hooks",
 ]
-
-#: The attribute (in a layer's ``__dict__``, not tracked or saved) holding the op table
-#: :func:`apply_policy` was given, when it is not :data:`mpx.OP_TABLE`.
-LAYER_TABLE = "_mpx_op_table"
-
-
-class Rule(NamedTuple):
-    """A policy with its op table, and whether it forces float32 (a float32 scope nested in a mixed one)."""
-
-    policy: mpx.Policy
-    table: OpTable
-    forced: bool = False
-
-
-#: ``op_table`` as an OpTable (None: mpx.OP_TABLE); the core's one reading of every ``op_table=`` argument.
-check_op_table = as_op_table
-
-
-class _OpTableHooks:
-    """What an op table for functional code (mpx_tf's, on TensorFlow) plugs in; by default nothing.
-
-    ``nested_rule(policy, table)``: the rule of a scope entered here (it may force float32);
-    ``enable()``: called when a policy first becomes active.
-    """
-
-    nested_rule: Callable[[mpx.Policy, OpTable], Any] = staticmethod(lambda p, t: Rule(p, t))
-    enable: Callable[[], None] = staticmethod(lambda: None)
-    #: ``hold(rule)``: install the op table's dispatch while ``rule`` is in force; returns its release
-    hold: Callable[[Any], Callable[[], None]] = staticmethod(lambda rule: lambda: None)
-
-
-def set_op_table_hooks(
-    *,
-    nested_rule: Callable[[mpx.Policy, OpTable], Any],
-    enable: Callable[[], None],
-    hold: Callable[[Any], Callable[[], None]] | None = None,
-) -> None:
-    """Plug an op table for functional code into the policies (mpx_tf does, at its import)."""
-    _OpTableHooks.nested_rule = staticmethod(nested_rule)
-    _OpTableHooks.enable = staticmethod(enable)
-    if hold is not None:
-        _OpTableHooks.hold = staticmethod(hold)
-
-
-def nested_rule(policy: mpx.Policy, table: OpTable) -> Any:
-    return _OpTableHooks.nested_rule(policy, table)
-
-
-def _enable_autocast() -> None:
-    _OpTableHooks.enable()
 
 
 def keras_dtype_policy(policy: mpx.PolicySpec) -> keras.DTypePolicy:
@@ -157,7 +106,7 @@ def set_global_policy(policy: mpx.PolicySpec, *, op_table: mpx.OpTable | None = 
     softmax in float32) and the output dtype need :func:`apply_policy` on
     the built model: Keras has no global hook for them.  User code's
     ``keras.ops``/``tf`` calls follow ``op_table`` (keyword only; default None:
-    :data:`mpx.OP_TABLE`) under it, as in :func:`mpx_tf.autocast`.
+    :data:`mpx.OP_TABLE`) under it, as in :func:`mpx_keras.autocast`.
 
     Raises:
         PolicyError: for a spec :func:`mpx.get_policy` cannot read.
@@ -174,10 +123,9 @@ def _set_global(rule: Rule, stacklevel: int) -> None:
     _warn_if_slow(rule.policy, stacklevel)
     keras.config.set_dtype_policy(kp)
     _local.current = (rule, keras.config.dtype_policy())
-    _enable_autocast()
-    # this thread's global policy holds the op table's dispatch while it needs it (mpx_tf.autocast.hold)
+    # this thread's global policy holds the op table's dispatch while it needs it (mpx_keras.autocast.hold)
     previous_release = getattr(_local, "release", None)
-    _local.release = _OpTableHooks.hold(rule)
+    _local.release = hold(rule)
     if previous_release is not None:
         previous_release()
 
@@ -186,7 +134,7 @@ def active_global_rule() -> Rule | None:
     """The op-table rule of the policy :func:`set_global_policy` (or :func:`policy_scope`) set, while
     Keras's global policy is still the one it set; else None.
 
-    This is what :func:`mpx_tf.autocast`'s op table falls back on outside any ``autocast`` scope.
+    This is what :func:`mpx_keras.autocast`'s op table falls back on outside any ``autocast`` scope.
     """
     current = getattr(_local, "current", None)
     if current is not None and current[1] is keras.config.dtype_policy():
@@ -223,7 +171,7 @@ def policy_scope(policy: mpx.PolicySpec, *, op_table: mpx.OpTable | None = None)
     table user code follows inside, as :func:`set_global_policy`'s.  A float32
     scope (a policy that does not lower precision) nested in a mixed one forces
     float32: new layers compute in float32, and LOWER and FLOAT32 ops of user
-    code compute half inputs in float32, as in :func:`mpx_tf.autocast`.
+    code compute half inputs in float32, as in :func:`mpx_keras.autocast`.
 
     >>> with policy_scope("mixed_bfloat16") as p:
     ...     keras.layers.Dense(2).compute_dtype
@@ -378,7 +326,6 @@ def apply_policy(
     p = get_global_policy() if policy is None else mpx.get_policy(policy)
     table = check_op_table(op_table)
     _warn_if_slow(p, 3)
-    _enable_autocast()
     install_layer_hook()
     outputs = {id(layer) for layer in _output_layers(model)}
     for path, layer in _walk(model):
