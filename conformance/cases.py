@@ -3,11 +3,20 @@
 Each case is a dict ``{"id", "group", "kind", "params", "expected", "spec"}``:
 ``params`` tell an adapter what to run, ``expected`` is what the mpx spec says
 it must observe, ``spec`` says it in words for the report.
+
+The runner resolves the cases here (this module imports mpx) and writes them as JSON
+(:func:`write`); the native worker reads that file in a process where mpx cannot be imported
+(conformance/isolation.py).  So ``params`` are plain JSON data and carry, precomputed, whatever a
+native run needs of the core: a policy's dtypes (``policy_dtypes``, :func:`policy_dtypes`), a scaler
+config as ``mpx.ScalerConfig.to_dict()`` (``config``), the core's saved state (``state_dict`` of
+``portability.resume_from_core``), the ops the table keeps in float32 (``float32_ops``).
 """
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 from typing import Any
 
 import mpx
@@ -42,6 +51,14 @@ NUMERIC_POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
 T, F = True, False
 
 
+def policy_dtypes(spec: str) -> dict[str, Any]:
+    """What a native adapter needs of policy ``spec``, precomputed: ``param_dtype``, ``compute_dtype``,
+    ``output_dtype`` (canonical names) and ``lowers_precision`` (the compute dtype is half)."""
+    p = mpx.get_policy(spec)
+    return {"param_dtype": p.param_dtype, "compute_dtype": p.compute_dtype, "output_dtype": p.output_dtype,
+            "lowers_precision": p.lowers_precision}  # fmt: skip
+
+
 def _case(group: str, id_: str, kind: str, params: dict, expected: Any, spec: str) -> Case:
     return {
         "id": f"{group}.{id_}",
@@ -60,7 +77,7 @@ def policy_cases() -> list[Case]:
         expected = {"params": p.param_dtype, "compute": p.compute_dtype, "output": p.output_dtype}
         out.append(
             _case(
-                "policy", spec, "policy", {"spec": spec}, expected,
+                "policy", spec, "policy", {"spec": spec, "policy_dtypes": policy_dtypes(spec)}, expected,
                 f"a one-layer model under {spec!r}: parameters {p.param_dtype}, "
                 f"the layer computes in {p.compute_dtype}, the model returns {p.output_dtype}",
             )
@@ -79,7 +96,8 @@ def op_cases() -> list[Case]:
                 out.append(
                     _case(
                         "ops", f"{op}.{spec}.{dtype}", "op",
-                        {"op": op, "policy": spec, "dtype": dtype}, {"dtype": expected},
+                        {"op": op, "policy": spec, "dtype": dtype, "policy_dtypes": policy_dtypes(spec)},
+                        {"dtype": expected},
                         f"{op} ({cls}) on {dtype} inputs under {spec} returns {expected}",
                     )
                 )  # fmt: skip
@@ -90,7 +108,8 @@ def op_cases() -> list[Case]:
             out.append(
                 _case(
                     "ops", f"{op}.{spec}.{compute}+float32", "op",
-                    {"op": op, "policy": spec, "dtype": compute, "other": "float32"}, {"dtype": expected},
+                    {"op": op, "policy": spec, "dtype": compute, "other": "float32",
+                     "policy_dtypes": policy_dtypes(spec)}, {"dtype": expected},
                     f"{op} of {compute} and float32 under {spec} promotes to {expected}",
                 )
             )  # fmt: skip
@@ -100,7 +119,8 @@ def op_cases() -> list[Case]:
             out.append(
                 _case(
                     "ops", f"{op}.keep_fp32=none.{dtype}", "op",
-                    {"op": op, "policy": KEEP_NONE_SPEC, "dtype": dtype}, {"dtype": expected},
+                    {"op": op, "policy": KEEP_NONE_SPEC, "dtype": dtype,
+                     "policy_dtypes": policy_dtypes(KEEP_NONE_SPEC)}, {"dtype": expected},
                     f"{op} ({mpx.OP_CATEGORIES[op]} category) on {dtype} inputs under {KEEP_NONE_SPEC} "
                     f"returns {expected}: keep_fp32=none lowers the category",
                 )
@@ -193,7 +213,8 @@ def skip_cases() -> list[Case]:
             out.append(
                 _case(
                     "skip", f"{opt}.{bad}", "skip",
-                    {"optimizer": opt, "bad": bad, "steps": ["ok", bad, "ok"]},
+                    {"optimizer": opt, "bad": bad, "steps": ["ok", bad, "ok"],
+                     "config": mpx.ScalerConfig().to_dict()},
                     {"changed": [True, False, True], "scale_halved": True},
                     f"{opt}: a step with {bad} gradients leaves parameters and optimizer state bit-identical; "
                     "finite steps change them",
@@ -211,7 +232,7 @@ def numeric_cases() -> list[Case]:
         out.append(
             _case(
                 "numerics", f"mlp.{spec}", "numerics",
-                {"policy": spec, "seed": 0, "tolerance": tol},
+                {"policy": spec, "seed": 0, "tolerance": tol, "policy_dtypes": policy_dtypes(spec)},
                 {"max_rel_error_at_most": tol},
                 f"one forward/backward of an 8-32-4 MLP under {spec}: loss and gradients within "
                 f"{tol:.2g} (8 eps of {compute}) of float64 numpy",
@@ -225,7 +246,7 @@ def numeric_cases() -> list[Case]:
             out.append(
                 _case(
                     "numerics", f"{op}.{spec}", "op_value",
-                    {"op": op, "policy": spec, "dtype": compute},
+                    {"op": op, "policy": spec, "dtype": compute, "policy_dtypes": policy_dtypes(spec)},
                     {"max_rel_error_at_most": OP_VALUE_TOL},
                     f"{op} of {compute} inputs under {spec} is computed in float32: within {OP_VALUE_TOL:g} "
                     f"of {op} of their float32 upcast (computing in {compute} is off by ~{mpx.dtype_info(compute).eps:.1g})",
@@ -251,10 +272,12 @@ def portability_cases() -> list[Case]:
         )
     ]  # fmt: skip
     for source in SOURCES:
+        params = {"source": source, "config": config.to_dict(), "flags": PORTABILITY_REST}
+        if source == "core":  # the core's state, precomputed; the backends' are saved by their workers
+            params["state_dict"] = saved_prefix_state()
         out.append(
             _case(
-                "portability", f"resume_from_{source}", "portability",
-                {"source": source, "config": config.to_dict(), "flags": PORTABILITY_REST},
+                "portability", f"resume_from_{source}", "portability", params,
                 {"scales": full[len(PORTABILITY_PREFIX):]},
                 f"a scaler state saved by {source} after {len(PORTABILITY_PREFIX)} steps resumes with the same trace",
             )
@@ -416,12 +439,33 @@ def model_cases() -> list[Case]:
                         f"the bytes autograd saves for backward (saved-tensor hooks) at most "
                         f"{M.ACTIVATION_RATIO:g} x native autocast's"),
     }  # fmt: skip
+    float32_ops = sorted(op for op in mpx.OP_TABLE if mpx.classify(op, M.POLICY) is mpx.OpClass.FLOAT32)
+    extra = {  # what a native run needs of the core, per aspect
+        "ops": {"policy": M.POLICY, "policy_dtypes": policy_dtypes(M.POLICY), "float32_ops": float32_ops},
+        "compile": {"policy": M.POLICY, "policy_dtypes": policy_dtypes(M.POLICY)},
+        "overflow": {"policy": M.OVERFLOW_POLICY, "policy_dtypes": policy_dtypes(M.OVERFLOW_POLICY),
+                     "config": config.to_dict(), "flags": flags},
+        "logits": {"policy": M.POLICY, "policy_dtypes": policy_dtypes(M.POLICY)},
+        "activations": {"policy": M.POLICY, "policy_dtypes": policy_dtypes(M.POLICY)},
+    }  # fmt: skip
     out = []
     for model in M.MODELS:
         for aspect in M.ASPECTS:
             expected, words = aspects[aspect]
             out.append(
-                _case("models", f"{model}.{aspect}", "models", {"model": model, "aspect": aspect}, expected,
-                      f"{MODEL_NAMES[model]} from a tiny config: {words}")
+                _case("models", f"{model}.{aspect}", "models", {"model": model, "aspect": aspect, **extra[aspect]},
+                      expected, f"{MODEL_NAMES[model]} from a tiny config: {words}")
             )  # fmt: skip
     return out
+
+
+# -- the cases as a file (what the workers read) ------------------------------------------------------
+#: The format of the cases file (:func:`write`; read by conformance.worker without importing this module).
+CASES_FORMAT = "mpx.conformance-cases/1"
+
+
+def write(cases: list[Case], path: Path) -> Path:
+    """Write ``cases`` to ``path`` as JSON (what ``python -m conformance.worker --cases FILE`` reads)."""
+    path = Path(path)
+    path.write_text(json.dumps({"format": CASES_FORMAT, "cases": cases}))
+    return path

@@ -7,6 +7,13 @@ an ``--out`` that cannot be written), checked before any framework starts.
 Reports are written atomically (:func:`conformance.report.write_all`): a run that
 crashes, matches nothing or loses a backend's worker never replaces an earlier
 report in ``--out``; a run whose worker crashed writes to ``OUT.failed`` instead.
+
+The runner resolves the cases with the core and writes them to a file
+(:func:`conformance.cases.write`); per backend it starts two workers, one after the other, each in
+its own process: ``--mode native`` (mpx blocked from its first line, :mod:`conformance.isolation`)
+and ``--mode mpx``.  A native worker (or its replicas) that loaded or tried to import mpx is a
+crashed worker.  ``report.json`` says per backend what the native run loaded
+(``backends.BACKEND.native``: ``mpx_modules``, ``blocked``; ``mpx_free``).
 """
 
 from __future__ import annotations
@@ -99,17 +106,19 @@ def run(backends: list[str], out: Path, only: str | None = None, quiet: bool = F
 
 def _run(backends: list[str], only: str | None, quiet: bool) -> dict:
     installed = [b for b in backends if is_installed(b)]
-    per_backend = len(selected(only)) * len(MODES)
-    total, done = per_backend * len(installed), 0
+    cases = selected(only)
+    per_worker = len(cases)
+    total, done = per_worker * len(MODES) * len(installed), 0
     progress = Progress(quiet)
     started = time.monotonic()
     results: list[dict] = []
     meta: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="mpx-states-") as states:
+        cases_file = C.write(cases, Path(states) / "cases.json")
         for backend in installed:  # each backend saves the state the others resume from
             subprocess.run(
                 [sys.executable, "-m", "conformance.worker", backend, "--states", states, "--save-states"],
-                env=worker_env(), cwd=ROOT, capture_output=True, text=True,
+                env=worker_env(backend), cwd=ROOT, capture_output=True, text=True,
             )  # fmt: skip
         for backend in backends:
             if backend not in installed:
@@ -121,38 +130,56 @@ def _run(backends: list[str], only: str | None, quiet: bool) -> dict:
                 results.extend(_skip_rows(backend, f"{BACKENDS[backend]} is not installed", only))
                 continue
             t0 = time.monotonic()
-            args = [backend, "--states", states] + (["--only", only] if only else [])
-            seen = 0
+            rows: list[dict] = []
+            failures: dict[str, tuple[str, str]] = {}
+            for mode in MODES:  # native first: a process of its own, nothing of mpx loaded
+                args = [backend, "--mode", mode, "--cases", str(cases_file), "--states", states]
+                seen = 0
+                got: dict[str, dict] = {}
 
-            def collect(row: dict, backend: str = backend) -> None:
-                nonlocal seen, done
-                if row.pop("type", None) == "info":
-                    row.pop("backend", None)
-                    meta[backend] = row
-                else:
-                    results.append(row)
+                def collect(row: dict, backend: str = backend, got: dict = got, rows: list = rows) -> None:
+                    nonlocal seen, done
+                    kind = row.pop("type", None)
+                    if kind in ("info", "done"):
+                        row.pop("backend", None)
+                        got[kind] = row
+                        return
+                    rows.append(row)
                     seen += 1
                     done += 1
-                    progress.show(f"[{done:4d}/{total}] {backend:<5} {row['case']}", force=done == total)
+                    progress.show(f"[{done:4d}/{total}] {backend:<5} {row['mode']:<6} {row['case']}",
+                                  force=done == total)  # fmt: skip
 
-            _, code, stderr = run_worker("conformance.worker", args, collect)
+                w0 = time.monotonic()
+                _, code, stderr = run_worker("conformance.worker", args, collect, backend=backend)
+                info = {k: v for k, v in got.get("info", {}).items() if k != "mode"}
+                if mode == "mpx" or backend not in meta:
+                    meta[backend] = {**meta.get(backend, {}), **info}
+                end_row = got.get("done", {})
+                isolation = {"seconds": round(time.monotonic() - w0, 1),
+                             "mpx_modules": end_row.get("mpx_modules", info.get("mpx_modules")),
+                             "blocked": end_row.get("blocked"), "replicas": end_row.get("replicas")}  # fmt: skip
+                meta[backend].pop("mpx_modules", None)
+                meta[backend][mode] = isolation if mode == "native" else {"seconds": isolation["seconds"]}
+                failure = None
+                if code != 0 or seen < per_worker:
+                    tail = stderr.strip().splitlines()[-1:] or ["no output"]
+                    failure = (f"exit {code} after {seen} results", tail[0][:300])
+                elif mode == "native" and not _mpx_free(isolation):
+                    failure = ("mpx loaded in the native run", _loaded(isolation))
+                if mode == "native":
+                    meta[backend]["mpx_free"] = _mpx_free(isolation)
+                if failure is not None:
+                    failures[mode] = failure
+            if failures:
+                rows.append(_crash_row(backend, failures))
             meta.setdefault(backend, {"version": None, "device": None})
             meta[backend]["seconds"] = round(time.monotonic() - t0, 1)
-            if code != 0 or seen < per_backend:
-                tail = stderr.strip().splitlines()[-1:] or ["no output"]
-                results.append(
-                    {
-                        "case": "worker",
-                        "group": "worker",
-                        "backend": backend,
-                        "mode": "mpx",
-                        "status": "error",
-                        "expected": "the worker runs every case",
-                        "observed": f"exit {code} after {seen} results",
-                        "detail": tail[0][:300],
-                    }
-                )
-            progress.note(f"{backend}: {seen} results in {meta[backend]['seconds']}s")
+            order = {c["id"]: i for i, c in enumerate(cases)}  # per case native then mpx, as one process gave
+            rows.sort(key=lambda r: (order.get(r["case"], len(order)), MODES.index(r["mode"])))
+            results.extend(rows)
+            progress.note(f"{backend}: {sum(r['case'] != 'worker' for r in rows)} results in "
+                          f"{meta[backend]['seconds']}s (native mpx-free: {meta[backend].get('mpx_free')})")  # fmt: skip
     data = {
         "mpx_version": _version(),
         "python": platform.python_version(),
@@ -165,6 +192,41 @@ def _run(backends: list[str], only: str | None, quiet: bool) -> dict:
         "results": results,
     }
     return data
+
+
+def _crash_row(backend: str, failures: dict[str, tuple[str, str]]) -> dict:
+    """One ``worker`` error row for a backend whose workers crashed: ``failures`` maps a mode to (what was
+    observed, the detail).  Its mode is ``mpx`` when the mpx worker crashed (it cannot pass), else ``native``."""
+    mode = "mpx" if "mpx" in failures else "native"
+    observed, detail = failures[mode]
+    if mode == "mpx" and "native" in failures:
+        detail = f"{detail}; the native worker too: {failures['native'][0]}: {failures['native'][1]}"
+    return {
+        "case": "worker",
+        "group": "worker",
+        "backend": backend,
+        "mode": mode,
+        "status": "error",
+        "expected": "the worker runs every case" + (", nothing of mpx loaded" if mode == "native" else ""),
+        "observed": observed,
+        "detail": detail[:300],
+    }
+
+
+def _loaded(isolation: dict) -> str:
+    """What of mpx a native worker's isolation report says was loaded or refused ('' when nothing)."""
+    replicas = isolation.get("replicas") or {}
+    parts = [
+        ("mpx modules loaded", isolation.get("mpx_modules") or []),
+        ("mpx imports refused", isolation.get("blocked") or []),
+        ("mpx modules loaded by the replicas", replicas.get("mpx_modules") or []),
+        ("mpx imports refused in the replicas", replicas.get("blocked") or []),
+    ]
+    return "; ".join(f"{what}: {', '.join(names)}" for what, names in parts if names)
+
+
+def _mpx_free(isolation: dict) -> bool:
+    return isolation.get("mpx_modules") == [] and not _loaded(isolation)
 
 
 def _version() -> str:
@@ -193,4 +255,5 @@ def main(args: argparse.Namespace) -> int:
     if out != args.out:
         print(f"mpx conformance: a worker crashed; {args.out} is left as it was", file=sys.stderr)
     print(f"reports: {out / 'report.json'}, {out / 'report.md'}, {out / 'report.html'}")
-    return 0 if report.mpx_passes(data) else 1
+    crashed = any(r["case"] == "worker" for r in data["results"])  # a native worker's too
+    return 0 if report.mpx_passes(data) and not crashed else 1

@@ -1,18 +1,30 @@
-"""Run every case for one backend in this process; print one JSON line per result.
+"""Run the cases of one backend in one mode in this process; print one JSON line per result.
 
-    python -m conformance.worker BACKEND [--states DIR] [--save-states]
+    python -m conformance.worker BACKEND --mode native --cases FILE [--states DIR] [--only PREFIXES]
+    python -m conformance.worker BACKEND [--mode mpx] [--cases FILE] [--states DIR] [--only PREFIXES]
+    python -m conformance.worker BACKEND --states DIR --save-states
+
+The runner (:mod:`conformance.runner`) resolves the cases with the mpx core and writes them to
+``FILE`` (:func:`conformance.cases.write`); it starts this worker twice per backend, once per mode,
+each in its own process.  In ``--mode native`` the worker installs the mpx import blocker
+(:mod:`conformance.isolation`) before it imports anything else of the harness, so the framework's
+own machinery runs in a process where nothing of mpx is loaded; it needs ``--cases`` (the cases
+module imports mpx).  ``--mode mpx`` computes the cases itself when no file is given.
 
 With ``--save-states`` the worker only writes ``DIR/BACKEND.json``, the scaler
-state its backend saves after the portability prefix, for the other backends
-to resume from.  Otherwise it prints ``{"type": "info", ...}`` then one
-``{"type": "result", ...}`` line per case and mode.
+state its backend saves (under mpx) after the portability prefix, for the other backends
+to resume from.  Otherwise it prints ``{"type": "info", ...}`` (with ``mode`` and
+``mpx_modules``, the mpx modules loaded: none natively), one ``{"type": "result", ...}`` line
+per case, and last ``{"type": "done", "mode", "mpx_modules", "blocked"}``: the mpx modules loaded
+at the end and the mpx imports the blocker refused (the runner fails a native run that lists any).
 
 A case that raises is judged by who raised it (:func:`blame`, the innermost frame that is not the
 standard library's):
 
 - the framework (natively) or mpx or the framework (under mpx): what the case observed, so natively
   ``differs`` (a finding: the framework cannot do this) and under mpx ``fail``;
-- the adapter itself (``conformance/``), or mpx's code in a native run: an ``error``, with the
+- the adapter itself (``conformance/``), or mpx's code in a native run, or an import of mpx that
+  the native run's blocker refused (wherever it came from): an ``error``, with the
   exception's line in ``detail`` and where it was raised in ``at``.  An error is the harness's
   failure, never a finding against the framework; under mpx it fails the run (exit status 1).
 
@@ -36,11 +48,15 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from conformance import cases as C
-from conformance.adapters._common import Skip
-from mpx._workers import BACKENDS, ROOT
+from conformance import isolation
 
+# Nothing of mpx, of the cases or of the adapters is imported here: a native worker installs the
+# mpx import blocker first (main), then loads its adapter.
+Case = dict[str, Any]
 MODES = ("native", "mpx")
+#: The folder holding ``mpx`` and ``conformance`` (mpx._workers.ROOT, found without importing mpx).
+ROOT = Path(__file__).resolve().parents[1]
+_ISOLATION = Path(isolation.__file__).resolve()
 #: Result statuses: ``error`` is a crash of the adapter (the harness), never the framework's or mpx's verdict.
 STATUSES = ("pass", "differs", "fail", "skip", "error")
 _STDLIB = tuple({str(Path(sysconfig.get_paths()[k]).resolve()) for k in ("stdlib", "platstdlib")})
@@ -73,6 +89,8 @@ def blame(err: BaseException) -> tuple[str, str]:
     """
     frames = traceback.extract_tb(err.__traceback__)
     for frame in reversed(frames):
+        if Path(frame.filename).resolve() == _ISOLATION:  # the blocker: the import's line is to blame
+            continue
         origin = _origin(frame.filename)
         if origin != "stdlib":
             return origin, _where(frame)
@@ -108,17 +126,51 @@ def unfiltered_tracebacks(backend: str) -> None:
     TensorFlow are switched off through their public config once imported.
     """
     os.environ["JAX_TRACEBACK_FILTERING"] = "off"
-    if backend == "tf" and "keras" in sys.modules:
+    if (backend == "tf" or backend.startswith("keras-")) and "keras" in sys.modules:
         sys.modules["keras"].config.disable_traceback_filtering()
     if backend == "tf" and "tensorflow" in sys.modules:
         sys.modules["tensorflow"].debugging.disable_traceback_filtering()
 
 
+def backend_names() -> list[str]:
+    """The backends (``mpx._workers.BACKENDS``), read from mpx/_workers.py without importing mpx.
+
+    That module is standard library only; it is executed here as ``conformance._mpx_workers``, a name
+    the mpx import blocker does not refuse, so a native worker loads nothing of mpx's packages.
+    """
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("conformance._mpx_workers", ROOT / "mpx" / "_workers.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return sorted(module.BACKENDS)
+
+
 def load_adapter(backend: str) -> Any:
-    return importlib.import_module(f"conformance.adapters.{backend}")
+    """The adapter module of ``backend`` (``keras-jax`` -> ``conformance.adapters.keras_jax``)."""
+    return importlib.import_module(f"conformance.adapters.{backend.replace('-', '_')}")
 
 
-def judge(case: C.Case, observed: Any) -> bool:
+def read_cases(path: Path) -> list[Case]:
+    """The cases in ``path``, a file :func:`conformance.cases.write` wrote (read without importing mpx).
+
+    Raises:
+        ValueError: when the file is not such a file.
+    """
+    data = json.loads(Path(path).read_text())
+    if not isinstance(data, dict) or data.get("format") != "mpx.conformance-cases/1":
+        raise ValueError(f"{path}: not a conformance cases file (conformance.cases.write writes them)")
+    return data["cases"]
+
+
+def _skip_type() -> type[Exception]:
+    from conformance.adapters._common import Skip
+
+    return Skip
+
+
+def judge(case: Case, observed: Any) -> bool:
     """Whether ``observed`` meets the case's expectation."""
     expected = case["expected"]
     if case["kind"] in ("numerics", "op_value"):
@@ -133,12 +185,14 @@ def judge(case: C.Case, observed: Any) -> bool:
     return observed == expected
 
 
-def run_case(adapter: Any, case: C.Case, mode: str, states: Path | None) -> dict:
+def run_case(adapter: Any, case: Case, mode: str, states: Path | None) -> dict:
     params = dict(case["params"])
+    Skip = _skip_type()
     if case["kind"] == "portability":
         source = params["source"]
         if source == "core":
-            params["state_dict"] = C.saved_prefix_state()
+            if "state_dict" not in params:  # conformance.cases precomputes it
+                raise ValueError(f"{case['id']}: the core's state_dict is missing from its params")
         else:
             path = states / f"{source}.json" if states else None
             if path is None or not path.exists():
@@ -159,7 +213,10 @@ def run_case(adapter: Any, case: C.Case, mode: str, states: Path | None) -> dict
     except Exception as err:  # see the module docstring: who raised decides
         who, where = blame(err)
         line = exception_line(err)
-        if who == "adapter" or (who == "mpx" and mode == "native"):
+        blocked = isolation.blocked_by(err)
+        if blocked is not None and blocked is not err:
+            line = f"{exception_line(blocked)} (raised as {line})"[:300]
+        if who == "adapter" or (who == "mpx" and mode == "native") or blocked is not None:
             return {"status": "error", "observed": None, "detail": line, "at": where}
         status = "differs" if mode == "native" else "fail"
         return {"status": status, "observed": {"raised": line}, "detail": f"raised {line}", "at": where}
@@ -178,36 +235,64 @@ def run_case(adapter: Any, case: C.Case, mode: str, states: Path | None) -> dict
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m conformance.worker")
-    parser.add_argument("backend", choices=sorted(BACKENDS))
+    parser.add_argument("backend", choices=backend_names())
+    parser.add_argument("--mode", choices=MODES, default="mpx",
+                        help="native: the framework's own machinery, mpx blocked; mpx (default): under mpx")  # fmt: skip
+    parser.add_argument("--cases", type=Path, default=None,
+                        help="the cases file the runner wrote (required with --mode native)")  # fmt: skip
     parser.add_argument("--states", type=Path, default=None)
     parser.add_argument("--save-states", action="store_true")
     parser.add_argument("--only", default=None, help="run only cases whose id starts with one of these "
                         "comma-separated prefixes")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.mode == "native":
+        if args.save_states:
+            parser.error("--save-states saves the state mpx's scaler saves: it runs in --mode mpx")
+        if args.cases is None:
+            parser.error("--mode native needs --cases FILE: the cases module imports mpx, which a native "
+                         "run blocks (mpx conformance writes the file)")  # fmt: skip
+        isolation.install()  # first: before the cases, the adapter or the framework is imported
     unfiltered_tracebacks(args.backend)
     adapter = load_adapter(args.backend)
     unfiltered_tracebacks(args.backend)
     if args.save_states:
+        from conformance import cases as C
+
         args.states.mkdir(parents=True, exist_ok=True)
         state = adapter.save_state(dict(C.PORTABILITY_CONFIG), list(C.PORTABILITY_PREFIX))
         (args.states / f"{args.backend}.json").write_text(json.dumps(state))
         return 0
-    chosen = [c for c in C.all_cases()
+    if args.cases is not None:
+        every = read_cases(args.cases)
+    else:
+        from conformance import cases as C
+
+        every = C.all_cases()
+    chosen = [c for c in every
               if not args.only or any(c["id"].startswith(p.strip()) for p in args.only.split(",") if p.strip())]  # fmt: skip
     if any(c["kind"] == "distributed" for c in chosen):
         from conformance import distributed
 
-        distributed.start(args.backend)  # the replicas run in the background while the other cases do
+        # the replicas run in the background while the other cases do, in this worker's mode only
+        distributed.start(args.backend, chosen, modes=(args.mode,))
     out = sys.stdout
-    out.write(json.dumps({"type": "info", "backend": args.backend, **adapter.info()}) + "\n")
+    info = {"type": "info", "backend": args.backend, **adapter.info(), "mode": args.mode,
+            "mpx_modules": isolation.mpx_modules()}  # fmt: skip
+    out.write(json.dumps(info) + "\n")
     out.flush()
     for case in chosen:
-        for mode in MODES:
-            result = run_case(adapter, case, mode, args.states)
-            row = {"type": "result", "case": case["id"], "group": case["group"], "backend": args.backend,
-                   "mode": mode, "expected": case["expected"], **result}  # fmt: skip
-            out.write(json.dumps(row) + "\n")
-            out.flush()
+        result = run_case(adapter, case, args.mode, args.states)
+        row = {"type": "result", "case": case["id"], "group": case["group"], "backend": args.backend,
+               "mode": args.mode, "expected": case["expected"], **result}  # fmt: skip
+        out.write(json.dumps(row) + "\n")
+        out.flush()
+    done = {"type": "done", "backend": args.backend, "mode": args.mode, **isolation.report()}
+    if any(c["kind"] == "distributed" for c in chosen):
+        from conformance import distributed
+
+        done["replicas"] = distributed.isolation_report(args.backend)
+    out.write(json.dumps(done) + "\n")
+    out.flush()
     return 0
 
 

@@ -1,10 +1,11 @@
-"""Framework-neutral helpers the adapters share: seeded inputs and the float64 reference MLP."""
+"""Framework-neutral helpers the adapters share: seeded inputs and the float64 reference MLP.
+
+mpx-free (numpy only): native runs import this module with mpx blocked (conformance/isolation.py).
+"""
 
 from __future__ import annotations
 
 import numpy as np
-
-import mpx
 
 
 class Skip(Exception):
@@ -68,5 +69,28 @@ def flag_gradient(finite: bool, bad: str = "inf") -> float:
     return float("inf") if bad == "inf" else float("nan")
 
 
+#: The canonical dtype names a result may have (mpx's CANONICAL_DTYPES).
+CANONICAL = ("float16", "bfloat16", "float32", "float64", "float8_e4m3fn", "float8_e5m2")
+#: Framework spellings of them (TensorFlow's ``half``/``double``, torch's ``torch.`` prefix is stripped).
+_ALIASES = {"half": "float16", "float": "float32", "double": "float64"}
+
+
 def dtype_name(value: object) -> str:
-    return mpx.canonical_dtype(value, allowed=mpx.CANONICAL_DTYPES)
+    """The canonical name of a framework's dtype object (torch, TensorFlow, numpy/ml_dtypes, JAX), or of
+    a name: ``float16``, ``bfloat16``, ``float32``, ``float64``, ``float8_e4m3fn``, ``float8_e5m2``.
+
+    Raises:
+        ValueError: when ``value`` is not one of those floating dtypes (an integer result, an unknown object).
+    """
+    if isinstance(value, type) and issubclass(value, np.generic):  # a numpy / ml_dtypes scalar type
+        value = np.dtype(value)
+    elif isinstance(getattr(value, "dtype", None), np.dtype):  # jax.numpy's scalar types (jnp.float16)
+        value = value.dtype  # type: ignore[attr-defined]
+    name = value if isinstance(value, str) else getattr(value, "name", None)
+    if not isinstance(name, str):  # torch.dtype has no name: its str is "torch.float16"
+        name = str(value)
+    name = name.removeprefix("torch.")
+    name = _ALIASES.get(name, name)
+    if name not in CANONICAL:
+        raise ValueError(f"dtype {value!r} is not a floating dtype; allowed: {', '.join(CANONICAL)}")
+    return name

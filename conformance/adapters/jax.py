@@ -1,4 +1,9 @@
-"""The JAX adapter: natively plain JAX, jmp-style casts and Flax's DynamicScale; under mpx mpx_jax."""
+"""The JAX adapter: natively plain JAX, jmp-style casts and Flax's DynamicScale; under mpx mpx_jax.
+
+Native paths import nothing of mpx (a native worker blocks it, conformance/isolation.py): they read
+the case's precomputed params (``policy_dtypes``, the ``config`` dict).  mpx paths import mpx and
+mpx_jax inside the function (:func:`_mpx`, :func:`_mpx_jax`).
+"""
 
 from __future__ import annotations
 
@@ -10,7 +15,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-import mpx
 from conformance.adapters._common import (
     Skip,
     dtype_name,
@@ -30,6 +34,12 @@ def info() -> dict:
 
     return {"version": f"jax {jax.__version__}, flax {flax.__version__}, optax {optax.__version__}",
             "device": str(jax.devices()[0].platform)}  # fmt: skip
+
+
+def _mpx():
+    import mpx
+
+    return mpx
 
 
 def _mpx_jax():
@@ -123,9 +133,8 @@ COMPOSITES = frozenset(
 
 
 def run_op(p: dict, mode: str) -> dict:
-    policy = mpx.get_policy(p["policy"])
     op = p["op"]
-    if mode == "mpx" and op in COMPOSITES and mpx.classify(op, policy) is not mpx.OpClass.FLOAT32:
+    if mode == "mpx" and op in COMPOSITES and _mpx().classify(op, p["policy"]) is not _mpx().OpClass.FLOAT32:
         raise Skip(
             f"JAX has no {op} function: one written out of primitives has no name for autocast to "
             "classify by its category, so keep_fp32 cannot lower it (Flax's modules follow keep_fp32 "
@@ -133,7 +142,7 @@ def run_op(p: dict, mode: str) -> dict:
         )
     fn, args = _op(op, p["dtype"], p.get("other"))
     if mode == "mpx":
-        fn = _mpx_jax().autocast(fn, policy)
+        fn = _mpx_jax().autocast(fn, p["policy"])
     return {"dtype": dtype_name(jax.jit(fn)(*args).dtype)}
 
 
@@ -171,14 +180,15 @@ def run_policy(p: dict, mode: str) -> dict:
     }
 
 
-def _native_scaler(cfg: mpx.ScalerConfig):
+def _native_scaler(cfg: dict):
+    """Flax's DynamicScale from a config dict (``mpx.ScalerConfig.to_dict()``)."""
     from flax.training.dynamic_scale import DynamicScale
 
-    if cfg.kind != "dynamic":
-        raise Skip(f"Flax DynamicScale has no {cfg.kind!r} mode")
+    if cfg["kind"] != "dynamic":
+        raise Skip(f"Flax DynamicScale has no {cfg['kind']!r} mode")
     return DynamicScale(
-        growth_factor=cfg.growth_factor, backoff_factor=cfg.backoff_factor,
-        growth_interval=cfg.growth_interval, scale=cfg.init_scale,
+        growth_factor=cfg["growth_factor"], backoff_factor=cfg["backoff_factor"],
+        growth_interval=cfg["growth_interval"], scale=cfg["init_scale"],
     )  # fmt: skip
 
 
@@ -204,12 +214,13 @@ def _train_flags(mode: str, scaler: Any, flags: list[bool]) -> tuple[Any, list[f
     return scaler, scales, skipped
 
 
-def _scaler(mode: str, cfg: mpx.ScalerConfig):
+def _scaler(mode: str, cfg: dict):
+    """The scaler of ``mode`` for the config dict ``cfg`` (mpx_jax's LossScale takes the dict itself)."""
     return _native_scaler(cfg) if mode == "native" else _mpx_jax().LossScale.create(cfg)
 
 
 def run_scaler_trace(p: dict, mode: str) -> dict:
-    cfg = mpx.ScalerConfig.from_dict(p["config"])
+    cfg = p["config"]
     if mode == "native" and p.get("native_defaults"):
         from flax.training.dynamic_scale import DynamicScale
 
@@ -222,12 +233,12 @@ def run_scaler_trace(p: dict, mode: str) -> dict:
 
 def run_stuck(p: dict, mode: str) -> dict:
     """Issue 18's stuck detection, in a jitted step: the step that raises and the cause it names."""
-    from conformance.cases import stuck_cause
-
     if mode == "native":
         raise Skip("jmp / optax have no stuck detection")
-    mj = _mpx_jax()
-    tx = mj.with_loss_scaling(optax.sgd(0.1), mpx.ScalerConfig.from_dict(p["config"]))
+    from conformance.cases import stuck_cause
+
+    mpx, mj = _mpx(), _mpx_jax()
+    tx = mj.with_loss_scaling(optax.sgd(0.1), p["config"])
     params = {"w": jnp.ones(3)}
     state = tx.init(params)
     branches = [lambda q: jnp.sum(q["w"]), lambda q: jnp.sum(jnp.sqrt(q["w"] - jax.lax.stop_gradient(q["w"]))),
@@ -256,7 +267,7 @@ def run_skip(p: dict, mode: str) -> dict:
     inner = optax.adam(1e-2) if p["optimizer"] == "adam" else optax.sgd(1e-2, momentum=0.9)
     params = {"w": jnp.asarray(op_input((4, 2), 3)), "b": jnp.zeros(2)}
     x = jnp.asarray(op_input((8, 4)))
-    tx = inner if mode == "native" else _mpx_jax().with_loss_scaling(inner, mpx.ScalerConfig())
+    tx = inner if mode == "native" else _mpx_jax().with_loss_scaling(inner, p["config"])
     opt_state = tx.init(params)
 
     def snapshot(params, opt_state):
@@ -294,7 +305,6 @@ def _inner_state(opt_state: Any) -> Any:
 
 def run_numerics(p: dict, mode: str) -> dict:
     d = mlp_data(p["seed"])
-    policy = mpx.get_policy(p["policy"])
     params = {k: jnp.asarray(d[k]) for k in ("w1", "b1", "w2", "b2")}
     x, y = jnp.asarray(d["x"]), jnp.asarray(d["y"])
 
@@ -302,14 +312,14 @@ def run_numerics(p: dict, mode: str) -> dict:
         return jnp.tanh(x @ q["w1"] + q["b1"]) @ q["w2"] + q["b2"]
 
     if mode == "native":  # jmp-style: cast params and inputs to the compute dtype, outputs back
-        compute = JNP[policy.compute_dtype]
+        compute = JNP[p["policy_dtypes"]["compute_dtype"]]
 
         def loss_fn(q):
             q = jax.tree.map(lambda a: a.astype(compute), q)
             out = forward(q, x.astype(compute)).astype(jnp.float32)
             return jnp.mean((out - y) ** 2)
     else:
-        fwd = _mpx_jax().autocast(forward, policy)
+        fwd = _mpx_jax().autocast(forward, p["policy"])
 
         def loss_fn(q):
             out = fwd(q, x).astype(jnp.float32)
@@ -321,13 +331,13 @@ def run_numerics(p: dict, mode: str) -> dict:
 
 
 def save_state(config: dict, flags: list[bool]) -> dict:
-    scaler, _, _ = _train_flags("mpx", _mpx_jax().LossScale.create(mpx.ScalerConfig(**config)), flags)
+    """The state mpx_jax's LossScale saves after ``flags`` (``config``: ScalerConfig fields; mpx only)."""
+    scaler, _, _ = _train_flags("mpx", _mpx_jax().LossScale.create(_mpx().ScalerConfig(**config)), flags)
     return scaler.state_dict()
 
 
 def run_portability_save(p: dict, mode: str) -> dict:
-    cfg = mpx.ScalerConfig.from_dict(p["config"])
-    scaler, _, _ = _train_flags(mode, _scaler(mode, cfg), p["flags"])
+    scaler, _, _ = _train_flags(mode, _scaler(mode, p["config"]), p["flags"])
     if mode == "native":
         return {"state_dict": {"scale": float(scaler.scale), "fin_steps": int(scaler.fin_steps)}}
     return {"state_dict": scaler.state_dict()}
@@ -351,10 +361,10 @@ def run_distributed(p: dict, mode: str) -> dict:
 _ACCUMULATION_STEPS: dict[tuple, Any] = {}
 
 
-def _accumulation_step(mode: str, cfg: mpx.ScalerConfig, k: int, lr: float) -> tuple[Any, Any]:
+def _accumulation_step(mode: str, cfg: dict, k: int, lr: float) -> tuple[Any, Any]:
     """(init, jitted micro-batch step ``(params, state, c) -> (params, state, scale used, scale after)``),
-    compiled once per mode, config and k."""
-    key = (mode, json.dumps(cfg.to_dict(), sort_keys=True), k, lr)
+    compiled once per mode, config dict (``mpx.ScalerConfig.to_dict()``) and k."""
+    key = (mode, json.dumps(cfg, sort_keys=True), k, lr)
     if key in _ACCUMULATION_STEPS:
         return _ACCUMULATION_STEPS[key]
     if mode == "native":
@@ -393,7 +403,7 @@ def _accumulation_step(mode: str, cfg: mpx.ScalerConfig, k: int, lr: float) -> t
 def run_accumulation(p: dict, mode: str) -> dict:
     """Natively ``optax.MultiSteps`` around a jmp-style per-micro-batch loss scale (a non-finite micro-batch
     is dropped, the scale adjusted after every micro-batch); under mpx ``with_loss_scaling(tx, accumulate=k)``."""
-    cfg, k = mpx.ScalerConfig.from_dict(p["config"]), p["steps"]
+    cfg, k = p["config"], p["steps"]
     init, step = _accumulation_step(mode, cfg, k, p["lr"])
     params = jnp.full(3, p["w0"], jnp.float32)
     state = init(params)

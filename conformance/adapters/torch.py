@@ -1,4 +1,9 @@
-"""The PyTorch adapter: natively torch.autocast + torch.amp.GradScaler, under mpx mpx_torch."""
+"""The PyTorch adapter: natively torch.autocast + torch.amp.GradScaler, under mpx mpx_torch.
+
+Native paths import nothing of mpx (a native worker blocks it, conformance/isolation.py): they read
+the case's precomputed params (``policy_dtypes``, the ``config`` dict).  mpx paths import mpx and
+mpx_torch inside the function (:func:`_mpx`, :func:`_mpx_torch`).
+"""
 
 from __future__ import annotations
 
@@ -10,7 +15,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import mpx
 from conformance.adapters._common import (
     Skip,
     dtype_name,
@@ -35,18 +39,27 @@ def info() -> dict:
     return {"version": f"torch {torch.__version__}", "device": DEVICE}
 
 
+def _mpx():
+    import mpx
+
+    return mpx
+
+
 def _mpx_torch():
     import mpx_torch
 
     return mpx_torch
 
 
-def _context(mode: str, policy: mpx.Policy):
+def _context(mode: str, p: dict):
+    """Natively torch.autocast at the compute dtype of ``p["policy_dtypes"]`` (none for float32); under mpx
+    mpx_torch.autocast of ``p["policy"]``."""
     if mode == "native":
-        if not policy.lowers_precision:
+        dtypes = p["policy_dtypes"]
+        if not dtypes["lowers_precision"]:
             return contextlib.nullcontext()
-        return torch.autocast(DEVICE, dtype=TORCH_DTYPES[policy.compute_dtype])
-    return _mpx_torch().autocast(policy, device_type=DEVICE)
+        return torch.autocast(DEVICE, dtype=TORCH_DTYPES[dtypes["compute_dtype"]])
+    return _mpx_torch().autocast(p["policy"], device_type=DEVICE)
 
 
 def _t(shape, dtype, seed=0, positive=False):
@@ -111,16 +124,15 @@ def _op(op: str, dtype: str, other: str | None, upcast: bool = False) -> Any:
 
 
 def run_op(p: dict, mode: str) -> dict:
-    policy = mpx.get_policy(p["policy"])
     fn = _op(p["op"], p["dtype"], p.get("other"))
-    with _context(mode, policy):
+    with _context(mode, p):
         out = fn()
     return {"dtype": dtype_name(out.dtype)}
 
 
 def run_op_value(p: dict, mode: str) -> dict:
     fn, reference = _op(p["op"], p["dtype"], None), _op(p["op"], p["dtype"], None, upcast=True)
-    with _context(mode, mpx.get_policy(p["policy"])):
+    with _context(mode, p):
         out = fn()
     ref = reference()
     return {"max_rel_error": rel_error(out.detach().double().numpy(), ref.detach().double().numpy())}
@@ -129,7 +141,7 @@ def run_op_value(p: dict, mode: str) -> dict:
 def run_policy(p: dict, mode: str) -> dict:
     if mode == "native":
         raise Skip("torch has no named policies: torch.autocast takes a dtype, parameters stay as created")
-    policy = mpx.get_policy(p["spec"])
+    policy = _mpx().get_policy(p["spec"])
     model = nn.Sequential(nn.Linear(4, 3))
     seen = {}
 
@@ -146,16 +158,18 @@ def run_policy(p: dict, mode: str) -> dict:
     }
 
 
-def _native_scaler(cfg: mpx.ScalerConfig):
-    if cfg.kind != "dynamic":
-        raise Skip(f"torch.amp.GradScaler has no {cfg.kind!r} mode")
+def _native_scaler(cfg: dict):
+    """torch.amp.GradScaler from a config dict (``mpx.ScalerConfig.to_dict()``)."""
+    if cfg["kind"] != "dynamic":
+        raise Skip(f"torch.amp.GradScaler has no {cfg['kind']!r} mode")
     return torch.amp.GradScaler(
-        DEVICE, init_scale=cfg.init_scale, growth_factor=cfg.growth_factor,
-        backoff_factor=cfg.backoff_factor, growth_interval=cfg.growth_interval,
+        DEVICE, init_scale=cfg["init_scale"], growth_factor=cfg["growth_factor"],
+        backoff_factor=cfg["backoff_factor"], growth_interval=cfg["growth_interval"],
     )  # fmt: skip
 
 
-def _scaler(mode: str, cfg: mpx.ScalerConfig):
+def _scaler(mode: str, cfg: dict):
+    """The scaler of ``mode`` for the config dict ``cfg`` (mpx_torch.GradScaler takes the dict itself)."""
     return _native_scaler(cfg) if mode == "native" else _mpx_torch().GradScaler(cfg, device=DEVICE)
 
 
@@ -176,20 +190,20 @@ def _train_flags(scaler, flags: list[bool]) -> tuple[list[float], int]:
 
 
 def run_scaler_trace(p: dict, mode: str) -> dict:
-    cfg = mpx.ScalerConfig.from_dict(p["config"])
     native_defaults = mode == "native" and p.get("native_defaults")
-    scaler = torch.amp.GradScaler(DEVICE) if native_defaults else _scaler(mode, cfg)
+    scaler = torch.amp.GradScaler(DEVICE) if native_defaults else _scaler(mode, p["config"])
     scales, skipped = _train_flags(scaler, p["flags"])
     return {"scales": scales, "skipped": skipped}
 
 
 def run_stuck(p: dict, mode: str) -> dict:
     """Issue 18's stuck detection: the step that raises mpx.ScalerStuckError and the cause it names."""
-    from conformance.cases import stuck_cause
-
     if mode == "native":
         raise Skip("torch.amp.GradScaler has no stuck detection")
-    scaler = _scaler(mode, mpx.ScalerConfig.from_dict(p["config"]))
+    from conformance.cases import stuck_cause
+
+    mpx = _mpx()
+    scaler = _scaler(mode, p["config"])
     w = nn.Parameter(torch.ones(3))
     opt = torch.optim.SGD([w], lr=0.1)
     for i, step in enumerate(p["steps"], 1):
@@ -221,7 +235,7 @@ def run_skip(p: dict, mode: str) -> dict:
         opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     else:
         opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
-    scaler = _scaler(mode, mpx.ScalerConfig())
+    scaler = _scaler(mode, p["config"])
     x = torch.randn(8, 4)
     changed, scales = [], []
     for step in p["steps"]:
@@ -252,17 +266,16 @@ class _MLP(nn.Module):
 
 
 def run_numerics(p: dict, mode: str) -> dict:
-    policy = mpx.get_policy(p["policy"])
     d = mlp_data(p["seed"])
     model = _MLP(d)
     x, y = torch.from_numpy(d["x"]), torch.from_numpy(d["y"])
     if mode == "native":
-        with _context("native", policy):
+        with _context("native", p):
             out = model(x)
             loss = F.mse_loss(out, y)
     else:
-        _mpx_torch().prepare(model, policy)
-        with _context("mpx", policy):
+        _mpx_torch().prepare(model, p["policy"])
+        with _context("mpx", p):
             loss = F.mse_loss(model(x), y)
     loss.backward()
     got = {
@@ -274,21 +287,20 @@ def run_numerics(p: dict, mode: str) -> dict:
 
 
 def save_state(config: dict, flags: list[bool]) -> dict:
-    scaler = _mpx_torch().GradScaler(mpx.ScalerConfig(**config), device=DEVICE)
+    """The state mpx_torch's GradScaler saves after ``flags`` (``config``: ScalerConfig fields; mpx only)."""
+    scaler = _mpx_torch().GradScaler(_mpx().ScalerConfig(**config), device=DEVICE)
     _train_flags(scaler, flags)
     return scaler.state_dict()
 
 
 def run_portability_save(p: dict, mode: str) -> dict:
-    cfg = mpx.ScalerConfig.from_dict(p["config"])
-    scaler = _scaler(mode, cfg)
+    scaler = _scaler(mode, p["config"])
     _train_flags(scaler, p["flags"])
     return {"state_dict": scaler.state_dict()}
 
 
 def run_portability(p: dict, mode: str) -> dict:
-    cfg = mpx.ScalerConfig.from_dict(p["config"])
-    scaler = _scaler(mode, cfg)
+    scaler = _scaler(mode, p["config"])
     scaler.load_state_dict(p["state_dict"])
     scales, _ = _train_flags(scaler, p["flags"])
     return {"scales": scales}
@@ -303,8 +315,8 @@ def run_distributed(p: dict, mode: str) -> dict:
 
 def run_accumulation(p: dict, mode: str) -> dict:
     """torch's accumulation pattern: ``scale(loss / k).backward()`` k times, then one step/update/zero_grad."""
-    cfg, k = mpx.ScalerConfig.from_dict(p["config"]), p["steps"]
-    scaler = _scaler(mode, cfg)
+    k = p["steps"]
+    scaler = _scaler(mode, p["config"])
     w = nn.Parameter(torch.full((3,), float(p["w0"])))
     opt = torch.optim.SGD([w], lr=p["lr"])
     applied, scales, micro = [], [], []

@@ -4,10 +4,15 @@ Replicas need an engine set up before the framework starts: torch spawns 2 gloo 
 TensorFlow must configure 2 logical CPUs before it initialises, JAX needs
 ``--xla_force_host_platform_device_count=4`` before it is imported.  So the worker (which has
 already imported its framework) starts ``python -m conformance.distributed.BACKEND IN OUT`` once:
-``IN`` lists every distributed case's params, the script runs each case in both modes on its
-engine and writes ``OUT``: ``{case id: {mode: observed}}``, where ``observed`` is the observation,
-``{"skip": why}`` or ``{"raised": message}``.  :func:`results` caches it for the worker's lifetime,
-so the whole group costs one launch per backend.
+``IN`` lists every distributed case's params, the script runs each case in the worker's mode
+(environment ``MPX_CONFORMANCE_MODES``, :func:`conformance.isolation.modes_from_env`: a native
+worker's replicas install the mpx import blocker too) on its engine and writes ``OUT``:
+``{case id: {mode: observed}}``, where ``observed`` is the observation, ``{"skip": why}`` or
+``{"raised": message}``, plus ``"_isolation"``: the script's :func:`conformance.isolation.report`.
+:func:`results` caches it for the worker's lifetime, so the whole group costs one launch per
+backend and worker.
+
+This package is mpx-free: native workers import it with mpx blocked.
 """
 
 from __future__ import annotations
@@ -22,7 +27,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mpx._workers import ROOT, worker_env
+from conformance.isolation import MODES_ENV
+
+#: The folder holding ``conformance`` (where the scripts run).
+ROOT = Path(__file__).resolve().parents[2]
+MODES = ("native", "mpx")
 
 #: How long one backend's launch may take before its cases skip (seconds).
 TIMEOUT_S = 150.0
@@ -36,17 +45,19 @@ _PENDING: dict[str, _Launch] = {}
 class _Launch:
     """One run of a backend's script, started in the background; :meth:`wait` reads its results."""
 
-    def __init__(self, backend: str, python: str | None = None) -> None:
-        from conformance import cases as C
-
+    def __init__(
+        self, backend: str, cases: list[dict], modes: tuple[str, ...] = MODES, python: str | None = None
+    ) -> None:
         self.backend = backend
-        self.specs = {c["id"]: c["params"] for c in C.all_cases() if c["kind"] == "distributed"}
+        self.specs = {c["id"]: c["params"] for c in cases if c["kind"] == "distributed"}
         self.start = time.perf_counter()
         self.tmp = tempfile.TemporaryDirectory(prefix="mpx-distributed-")
         folder = Path(self.tmp.name)
         self.dst, self.log = folder / "out.json", folder / "stderr.txt"
         (folder / "in.json").write_text(json.dumps(self.specs))
-        env = {**worker_env(), **ENV.get(backend, {})}
+        # the worker's environment (the runner's worker_env), ROOT importable, the modes to run
+        path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+        env = {**os.environ, "PYTHONPATH": path, MODES_ENV: ",".join(modes), **ENV.get(backend, {})}
         cmd = [python or sys.executable, "-m", f"conformance.distributed.{backend}", str(folder / "in.json"),
                str(self.dst)]  # fmt: skip
         self.proc: subprocess.Popen | None = None
@@ -85,11 +96,26 @@ class _Launch:
         return out
 
 
-def start(backend: str) -> None:
-    """Start ``backend``'s replicas in the background (the worker calls this first, so they run while
-    the other groups do); :func:`results` then waits for them.  Idempotent."""
+#: backend -> {case id: params} of the cases its launch runs (what :func:`case_id` looks params up in)
+_SPECS: dict[str, dict[str, dict]] = {}
+
+
+def start(backend: str, cases: list[dict] | None = None, modes: tuple[str, ...] = MODES) -> None:
+    """Start ``backend``'s replicas for the distributed cases among ``cases`` in ``modes`` in the
+    background (the worker calls this first, so they run while the other groups do); :func:`results`
+    then waits for them.  Idempotent.
+
+    ``cases`` default to every case of :mod:`conformance.cases` (which imports mpx: a native worker
+    passes the cases it read from its file).
+    """
     if backend not in _CACHE and backend not in _PENDING:
-        _PENDING[backend] = _Launch(backend)
+        if cases is None:
+            from conformance import cases as C
+
+            cases = C.all_cases()
+        launch = _Launch(backend, cases, tuple(modes))
+        _SPECS[backend] = launch.specs
+        _PENDING[backend] = launch
 
 
 def results(backend: str) -> dict[str, Any]:
@@ -104,19 +130,28 @@ def results(backend: str) -> dict[str, Any]:
     return _CACHE[backend]
 
 
-def _launch(backend: str, python: str | None = None) -> dict[str, Any]:
+def isolation_report(backend: str) -> dict[str, Any]:
+    """What ``backend``'s replica script reported of its isolation (``mpx_modules``, ``blocked``), or
+    ``{}`` when it reported nothing (it did not run, or it predates the report)."""
+    if backend not in _CACHE and backend not in _PENDING:
+        return {}
+    return results(backend).get("_isolation") or {}
+
+
+def _launch(
+    backend: str, cases: list[dict], modes: tuple[str, ...] = MODES, python: str | None = None
+) -> dict[str, Any]:
     """Run the backend's script once with ``python`` (default: this interpreter), wait, read its results."""
-    return _Launch(backend, python).wait()
+    return _Launch(backend, cases, modes, python).wait()
 
 
-def case_id(params: dict) -> str:
-    """The id of the distributed case whose params are ``params`` (what ``run_distributed`` is given)."""
-    from conformance import cases as C
-
-    for c in C.distributed_cases():
-        if c["params"] == params:
-            return c["id"]
-    raise KeyError(f"no distributed case has params {params!r}")
+def case_id(backend: str, params: dict) -> str:
+    """The id of the distributed case of ``backend``'s launch whose params are ``params`` (what
+    ``run_distributed`` is given)."""
+    for cid, p in _SPECS.get(backend, {}).items():
+        if p == params:
+            return cid
+    raise KeyError(f"no distributed case launched on {backend} has params {params!r}")
 
 
 def observed(backend: str, params: dict, mode: str) -> dict:
@@ -129,7 +164,9 @@ def observed(backend: str, params: dict, mode: str) -> dict:
     """
     from conformance.adapters._common import Skip
 
-    cid = case_id(params)
+    if backend not in _CACHE and backend not in _PENDING:
+        start(backend)
+    cid = case_id(backend, params)
     row = results(backend).get(cid)
     if row is None:
         raise RuntimeError(f"the {backend} replicas returned nothing for {cid}")

@@ -7,6 +7,10 @@ Natively a jmp-style dynamic loss scale (checked per shard, no axis name: what j
 with no ``axis_name``.  Under ``shard_map`` every shard carries its own copy of the parameters and
 optimizer state (stacked along the mesh axis), so a shard that decides alone shows up as a
 divergence instead of being hidden by an ``out_specs=P()`` that returns shard 0's copy.
+
+The script runs the modes ``MPX_CONFORMANCE_MODES`` names (both by default); without ``mpx`` it
+blocks mpx's imports (:mod:`conformance.isolation`).  Scaler configs are
+``mpx.ScalerConfig.to_dict()`` dicts: read by key natively, handed to mpx_jax under mpx.
 """
 
 from __future__ import annotations
@@ -25,10 +29,9 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import mpx
+from conformance import isolation
 
 N = 4
-MODES = ("native", "mpx")
 AXIS = "d"
 LR = 0.1
 DEBUG = os.environ.get("MPX_CONFORMANCE_DEBUG", "") not in ("", "0")
@@ -57,15 +60,16 @@ def _forward(q: dict, x: jax.Array) -> jax.Array:
 # -- native: a jmp-style DynamicLossScale (written out: jmp is not a dependency) -------------------
 
 
-def jmp_init(cfg: mpx.ScalerConfig) -> dict:
-    return {"scale": jnp.float32(cfg.init_scale), "counter": jnp.int32(0)}
+def jmp_init(cfg: dict) -> dict:
+    """A jmp-style loss-scale state from a config dict (``mpx.ScalerConfig.to_dict()``)."""
+    return {"scale": jnp.float32(cfg["init_scale"]), "counter": jnp.int32(0)}
 
 
-def jmp_adjust(cfg: mpx.ScalerConfig, s: dict, finite: jax.Array) -> dict:
+def jmp_adjust(cfg: dict, s: dict, finite: jax.Array) -> dict:
     """jmp.DynamicLossScale.adjust: grow on the period-th finite step, halve (floor 1) otherwise."""
-    period = cfg.growth_interval
-    grown = jnp.where(s["counter"] == period - 1, s["scale"] * cfg.growth_factor, s["scale"])
-    scale = jnp.where(finite, grown, jnp.maximum(jnp.float32(1.0), s["scale"] * cfg.backoff_factor))
+    period = cfg["growth_interval"]
+    grown = jnp.where(s["counter"] == period - 1, s["scale"] * cfg["growth_factor"], s["scale"])
+    scale = jnp.where(finite, grown, jnp.maximum(jnp.float32(1.0), s["scale"] * cfg["backoff_factor"]))
     counter = ((s["counter"] + 1) % period) * finite.astype(jnp.int32)
     return {"scale": scale.astype(jnp.float32), "counter": counter}
 
@@ -77,7 +81,7 @@ def _all_finite(tree: Any) -> jax.Array:
 class _Step:
     """One training step (native or mpx) on unstacked params, with the inf injected where asked."""
 
-    def __init__(self, mode: str, cfg: mpx.ScalerConfig, scenario: str) -> None:
+    def __init__(self, mode: str, cfg: dict, scenario: str) -> None:
         self.mode, self.cfg, self.scenario = mode, cfg, scenario
         self.sgd = optax.sgd(LR)
         if mode == "mpx":
@@ -125,8 +129,7 @@ def _inputs(p: dict, finite: bool) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _shard_map(p: dict, mode: str, mesh) -> dict:
-    cfg = mpx.ScalerConfig.from_dict(p["config"])
-    step = _Step(mode, cfg, p["scenario"])
+    step = _Step(mode, p["config"], p["scenario"])
     params0 = _params()
     stack = lambda t: jax.tree.map(lambda a: jnp.broadcast_to(a[None], (N, *jnp.shape(a))), t)  # noqa: E731
     params, state = stack(params0), stack(step.init(params0))
@@ -161,8 +164,7 @@ def _observe(engine: str, same: bool, scales: list[list[float]], applied: list[l
 
 
 def _jit(p: dict, mode: str, mesh) -> dict:
-    cfg = mpx.ScalerConfig.from_dict(p["config"])
-    step = _Step(mode, cfg, p["scenario"])
+    step = _Step(mode, p["config"], p["scenario"])
     rep, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P(AXIS))
     params = jax.device_put(_params(), rep)
     state = jax.device_put(step.init(_params()), rep)
@@ -191,6 +193,7 @@ def _jit(p: dict, mode: str, mesh) -> dict:
 
 def main(argv: list[str]) -> int:
     src, dst = argv
+    modes = isolation.modes_from_env()  # natively: the blocker, before anything runs
     if len(jax.devices()) < N:
         why = f"JAX sees {len(jax.devices())} device(s), not {N}: XLA_FLAGS={N} host devices was not honoured"
         Path(dst).write_text(json.dumps({cid: {"launch_failed": why} for cid in json.loads(Path(src).read_text())}))
@@ -199,13 +202,14 @@ def main(argv: list[str]) -> int:
     out: dict[str, dict] = {}
     for cid, p in json.loads(Path(src).read_text()).items():
         out[cid] = {}
-        for mode in MODES:
+        for mode in modes:
             try:
                 out[cid][mode] = (_shard_map if p["engine"] == "per_replica" else _jit)(p, mode, mesh)
             except Exception as err:
                 out[cid][mode] = {"raised": f"{type(err).__name__}: {str(err).strip().splitlines()[0][:300]}"}
                 if DEBUG:
                     traceback.print_exc()
+    out["_isolation"] = isolation.report()
     Path(dst).write_text(json.dumps(out))
     return 0
 

@@ -3,7 +3,9 @@
     python -m conformance.distributed.torch IN.json OUT.json
 
 Spawned with ``torch.multiprocessing`` (start method spawn), rendezvous through a file store.
-Each rank runs every case and mode; rank 0 writes ``OUT`` (see :mod:`conformance.distributed`).
+Each rank runs every case in the modes ``MPX_CONFORMANCE_MODES`` names (both by default; without
+``mpx`` every rank blocks mpx's imports, :mod:`conformance.isolation`); rank 0 writes ``OUT`` (see
+:mod:`conformance.distributed`).
 Natively: ``torch.amp.GradScaler`` (DDP; FSDP2 with a hand-made ``MixedPrecisionPolicy``);
 under mpx: ``mpx_torch.GradScaler`` (found-inf combined over the process group) and
 ``mpx_torch.fully_shard``.
@@ -25,10 +27,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-import mpx
+from conformance import isolation
 
 WORLD = 2
-MODES = ("native", "mpx")
 FSDP_POLICY = "mixed_bfloat16"
 ENGINE_NAMES = {
     "per_replica": "DDP, gloo, 2 processes",
@@ -64,20 +65,20 @@ def _model(engine: str, mode: str) -> nn.Module:
     return mpx_torch.fully_shard(model, FSDP_POLICY)
 
 
-def _scaler(mode: str, cfg: mpx.ScalerConfig):
+def _scaler(mode: str, cfg: dict):
+    """torch's GradScaler from the config dict (``mpx.ScalerConfig.to_dict()``) natively, mpx_torch's under mpx."""
     if mode == "native":
-        return torch.amp.GradScaler("cpu", init_scale=cfg.init_scale, growth_factor=cfg.growth_factor,
-                                    backoff_factor=cfg.backoff_factor, growth_interval=cfg.growth_interval)  # fmt: skip
+        return torch.amp.GradScaler("cpu", init_scale=cfg["init_scale"], growth_factor=cfg["growth_factor"],
+                                    backoff_factor=cfg["backoff_factor"], growth_interval=cfg["growth_interval"])  # fmt: skip
     import mpx_torch
 
     return mpx_torch.GradScaler(cfg, device="cpu")
 
 
 def _run(p: dict, mode: str, rank: int) -> dict:
-    cfg = mpx.ScalerConfig.from_dict(p["config"])
     model = _model(p["engine"], mode)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = _scaler(mode, cfg)
+    scaler = _scaler(mode, p["config"])
     gen = torch.Generator().manual_seed(rank + 1)  # each rank its own data
     x, y = torch.randn(8, 4, generator=gen), torch.randn(8, 4, generator=gen)
     bad_rank = WORLD - 1
@@ -112,13 +113,14 @@ def _combine(engine: str, per_rank: list[dict]) -> dict:
 
 
 def _rank_main(rank: int, store: str, src: str, dst: str) -> None:
+    modes = isolation.modes_from_env()  # every rank: spawned, each is a process of its own
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=30))  # fmt: skip
     specs = json.loads(Path(src).read_text())
     out: dict[str, dict] = {}
     for cid, p in specs.items():
         out[cid] = {}
-        for mode in MODES:
+        for mode in modes:
             try:
                 mine: Any = _run(p, mode, rank)
             except Exception as err:  # every rank runs the same code, so they fail alike
@@ -127,6 +129,9 @@ def _rank_main(rank: int, store: str, src: str, dst: str) -> None:
             dist.all_gather_object(gathered, mine)
             raised = [g["raised"] for g in gathered if "raised" in g]
             out[cid][mode] = {"raised": raised[0]} if raised else _combine(p["engine"], gathered)
+    reports: list[Any] = [None] * WORLD
+    dist.all_gather_object(reports, isolation.report())
+    out["_isolation"] = {key: sorted({n for r in reports for n in r[key]}) for key in ("mpx_modules", "blocked")}
     if rank == 0:
         Path(dst).write_text(json.dumps(out))
     dist.barrier()
@@ -135,6 +140,7 @@ def _rank_main(rank: int, store: str, src: str, dst: str) -> None:
 
 def main(argv: list[str]) -> int:
     src, dst = argv
+    isolation.modes_from_env()  # checks the modes; natively the blocker, before anything runs
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="mpx-gloo-") as tmp:
         mp.spawn(_rank_main, args=(str(Path(tmp) / "store"), src, dst), nprocs=WORLD, join=True)

@@ -11,6 +11,11 @@
 - :func:`logits_error`: max |logits - float32 logits|;
 - :func:`saved_bytes` / :func:`saved_profile`: the bytes autograd saves for backward, counted by
   saved-tensor hooks (each storage once, parameters excluded), and the same bytes by producing op.
+
+Native paths import nothing of mpx (a native worker blocks it, conformance/isolation.py): a case's
+params carry what they need of the core (``policy_dtypes``, ``float32_ops``, the ``config`` dict);
+called without them (the test suite, ``mpx bench``) the functions ask the core themselves.  The ops
+are recognised by the harness's own table (:data:`OP_FUNCTIONS`, the functions of mpx_torch's).
 """
 
 from __future__ import annotations
@@ -26,7 +31,6 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-import mpx
 from conformance import models as M
 
 HALF = (torch.float16, torch.bfloat16)
@@ -108,21 +112,29 @@ def build(
     return model, inputs
 
 
+def _mpx() -> Any:
+    import mpx
+
+    return mpx
+
+
 def mpx_torch() -> Any:
     import mpx_torch as module
 
     return module
 
 
-def runner(model: nn.Module, mode: str, policy: str = M.POLICY) -> Callable[..., Any]:
-    """``fn(**batch)``: the model natively under ``torch.autocast`` (``mode="native"``), prepared under
-    ``policy`` (``"mpx"``, on a copy), or in float32 (``"float32"``)."""
-    p = mpx.get_policy(policy)
+def runner(
+    model: nn.Module, mode: str, policy: str = M.POLICY, compute_dtype: str | None = None
+) -> Callable[..., Any]:
+    """``fn(**batch)``: the model natively under ``torch.autocast`` (``mode="native"``) at ``compute_dtype``
+    (default: ``policy``'s, asked of the core), prepared under ``policy`` (``"mpx"``, on a copy), or in
+    float32 (``"float32"``)."""
     if mode == "mpx":
-        prepared = mpx_torch().prepare(copy.deepcopy(model), p)
+        prepared = mpx_torch().prepare(copy.deepcopy(model), _mpx().get_policy(policy))
         return lambda **batch: prepared(**batch)
     if mode == "native":
-        dtype = TORCH_DTYPES[p.compute_dtype]
+        dtype = TORCH_DTYPES[compute_dtype or _mpx().get_policy(policy).compute_dtype]
 
         def native(**batch: Any) -> Any:
             with torch.autocast("cpu", dtype=dtype):
@@ -135,12 +147,75 @@ def runner(model: nn.Module, mode: str, policy: str = M.POLICY) -> Callable[...,
 
 
 # -- which ops computed in which dtype ---------------------------------------------------------------
+#: canonical op -> the torch functions observed as that op, as attribute paths from ``torch`` (a path
+#: this torch lacks is left out).  The same functions as mpx_torch's table (``mpx_torch._ops.FUNCTIONS``,
+#: conformance/test_conformance.py checks it), named here so that a native run recognises them without mpx.
+OP_FUNCTIONS: dict[str, tuple[str, ...]] = {
+    "matmul": ("matmul", "Tensor.matmul", "Tensor.__matmul__", "Tensor.__rmatmul__", "mm", "Tensor.mm", "addmm",
+               "Tensor.addmm"),
+    "linear": ("nn.functional.linear",),
+    "conv": ("nn.functional.conv1d", "nn.functional.conv2d", "nn.functional.conv3d"),
+    "conv_transpose": ("nn.functional.conv_transpose1d", "nn.functional.conv_transpose2d",
+                       "nn.functional.conv_transpose3d"),
+    "bmm": ("bmm", "Tensor.bmm", "baddbmm", "Tensor.baddbmm"),
+    "einsum": ("einsum",),
+    "attention": ("nn.functional.scaled_dot_product_attention",),
+    "softmax": ("softmax", "Tensor.softmax", "nn.functional.softmax", "special.softmax"),
+    "log_softmax": ("log_softmax", "Tensor.log_softmax", "nn.functional.log_softmax", "special.log_softmax"),
+    "layer_norm": ("nn.functional.layer_norm", "layer_norm"),
+    "batch_norm": ("nn.functional.batch_norm", "batch_norm"),
+    "group_norm": ("nn.functional.group_norm", "group_norm"),
+    "rms_norm": ("nn.functional.rms_norm", "rms_norm"),
+    "cross_entropy": ("nn.functional.cross_entropy",),
+    "nll_loss": ("nn.functional.nll_loss",),
+    "mse_loss": ("nn.functional.mse_loss",),
+    "bce_with_logits": ("nn.functional.binary_cross_entropy_with_logits", "binary_cross_entropy_with_logits"),
+    "exp": ("exp", "Tensor.exp", "exp2", "Tensor.exp2", "expm1", "Tensor.expm1", "special.exp2", "special.expm1"),
+    "log": ("log", "Tensor.log", "log2", "Tensor.log2", "log10", "Tensor.log10", "log1p", "Tensor.log1p",
+            "special.log1p"),
+    "pow": ("pow", "Tensor.pow", "Tensor.__pow__", "Tensor.__rpow__"),
+    "sum": ("sum", "Tensor.sum", "nansum", "Tensor.nansum"),
+    "mean": ("mean", "Tensor.mean", "nanmean", "Tensor.nanmean"),
+    "cumsum": ("cumsum", "Tensor.cumsum"),
+    "prod": ("prod", "Tensor.prod"),
+    "logsumexp": ("logsumexp", "Tensor.logsumexp", "special.logsumexp"),
+    "vector_norm": ("linalg.vector_norm", "linalg.norm", "norm", "Tensor.norm"),
+    "add": ("add", "Tensor.add", "Tensor.__add__", "Tensor.__radd__", "sub", "Tensor.sub", "Tensor.__sub__",
+            "Tensor.__rsub__"),
+    "mul": ("mul", "Tensor.mul", "Tensor.__mul__", "Tensor.__rmul__"),
+    "cat": ("cat", "concat", "concatenate"),
+    "stack": ("stack",),
+    "where": ("where", "Tensor.where"),
+    "relu": ("relu", "Tensor.relu", "nn.functional.relu"),
+    "gelu": ("nn.functional.gelu",),
+    "max_pool": ("nn.functional.max_pool1d", "nn.functional.max_pool2d", "nn.functional.max_pool3d"),
+    "reshape": ("reshape", "Tensor.reshape", "Tensor.view"),
+    "transpose": ("transpose", "Tensor.transpose", "t", "Tensor.t"),
+    "dropout": ("nn.functional.dropout",),
+    "embedding": ("nn.functional.embedding",),
+}  # fmt: skip
+
+
+def _resolve(path: str) -> Callable | None:
+    """The object at ``torch.<path>``, or None when this torch has none."""
+    obj: Any = torch
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
 @functools.cache
 def _canonical() -> dict[Callable, str]:
-    """torch function -> canonical op of the op table (mpx_torch's own map)."""
-    from mpx_torch._ops import FUNCTIONS
-
-    return {func: op for op, pairs in FUNCTIONS.items() for func, _ in pairs}
+    """torch function -> canonical op of the op table (:data:`OP_FUNCTIONS`, resolved)."""
+    out: dict[Callable, str] = {}
+    for op, paths in OP_FUNCTIONS.items():
+        for path in paths:
+            func = _resolve(path)
+            if func is not None:
+                out.setdefault(func, op)
+    return out
 
 
 class _Calls(TorchFunctionMode):
@@ -164,23 +239,29 @@ class _Calls(TorchFunctionMode):
         return out
 
 
-def op_dtypes(fn: Callable[..., Any], batch: dict) -> dict:
+def float32_ops(policy: str = M.POLICY) -> list[str]:
+    """The ops of the table that ``policy`` keeps in float32 (asked of the core: mpx paths and tests only)."""
+    mpx = _mpx()
+    return sorted(op for op in mpx.OP_TABLE if mpx.classify(op, policy) is mpx.OpClass.FLOAT32)
+
+
+def op_dtypes(fn: Callable[..., Any], batch: dict, keep_float32: list[str] | None = None) -> dict:
     """Per canonical op the dtypes it computed in (its result's), how often, and the FLOAT32-class ops
-    computed in half precision without an explicit ``dtype=`` (``violations``, a precision hazard)."""
+    computed in half precision without an explicit ``dtype=`` (``violations``, a precision hazard).
+
+    ``keep_float32``: the FLOAT32-class ops (a case's precomputed ``float32_ops``); default: those of
+    :data:`conformance.models.POLICY`, asked of the core.
+    """
     recorder = _Calls()
     with torch.no_grad(), recorder:
         fn(**batch)
     computed: dict[str, dict[str, int]] = {}
     violations: set[str] = set()
-    policy = mpx.get_policy(M.POLICY)
+    kept = set(float32_ops(M.POLICY) if keep_float32 is None else keep_float32)
     for op, dtype, explicit in recorder.calls:
         per = computed.setdefault(op, {})
         per[dtype] = per.get(dtype, 0) + 1
-        if (
-            dtype in ("float16", "bfloat16")
-            and not explicit
-            and mpx.classify(op, policy) is mpx.OpClass.FLOAT32
-        ):
+        if dtype in ("float16", "bfloat16") and not explicit and op in kept:
             violations.add(op)
     half = sorted(op for op, per in computed.items() if set(per) & {"float16", "bfloat16"})
     full = sorted(op for op, per in computed.items() if "float32" in per)
@@ -227,21 +308,24 @@ def compile_counts(fn: Callable[..., Any], batch: dict, calls: int = 2) -> dict:
 
 
 # -- a float16 run with an injected overflow ------------------------------------------------------------
-def overflow_run(name: str, mode: str) -> dict:
+def overflow_run(name: str, mode: str, config: dict | None = None) -> dict:
     """:data:`conformance.models.OVERFLOW_FLAGS` steps of AdamW under float16 with an inf in the loss where
     the flag is False: the scale after each step, the steps skipped, and whether a skipped step left
-    the parameters and the optimizer state bit-identical."""
+    the parameters and the optimizer state bit-identical.
+
+    ``config``: the scaler config as ``mpx.ScalerConfig.to_dict()`` (a case's precomputed ``config``);
+    default: :data:`conformance.models.OVERFLOW_CONFIG`'s, made by the core."""
     model, batch = build(name)
-    cfg = mpx.ScalerConfig(**M.OVERFLOW_CONFIG)
+    cfg = _mpx().ScalerConfig(**M.OVERFLOW_CONFIG).to_dict() if config is None else config
     if mode == "mpx":
         with warnings.catch_warnings():  # float16 on a CPU is slow: the run is 6 tiny steps
-            warnings.simplefilter("ignore", mpx.SlowPolicyWarning)
+            warnings.simplefilter("ignore", _mpx().SlowPolicyWarning)
             mpx_torch().prepare(model, M.OVERFLOW_POLICY)
         scaler: Any = mpx_torch().GradScaler(cfg)
         region: Callable[[], Any] = contextlib.nullcontext
     else:
-        scaler = torch.amp.GradScaler("cpu", init_scale=cfg.init_scale, growth_factor=cfg.growth_factor,
-                                      backoff_factor=cfg.backoff_factor, growth_interval=cfg.growth_interval)  # fmt: skip
+        scaler = torch.amp.GradScaler("cpu", init_scale=cfg["init_scale"], growth_factor=cfg["growth_factor"],
+                                      backoff_factor=cfg["backoff_factor"], growth_interval=cfg["growth_interval"])  # fmt: skip
         region = functools.partial(torch.autocast, "cpu", dtype=torch.float16)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scales, skipped, unchanged, losses = [], [], [], []
@@ -273,12 +357,13 @@ def _snapshot(model: nn.Module, opt: torch.optim.Optimizer) -> list[bytes]:
 
 
 # -- logits ------------------------------------------------------------------------------------------------
-def logits_error(name: str, mode: str) -> dict:
-    """max |logits - float32 logits| of ``mode``, and the bound (:data:`conformance.models.LOGITS_TOL`)."""
+def logits_error(name: str, mode: str, compute_dtype: str | None = None) -> dict:
+    """max |logits - float32 logits| of ``mode``, and the bound (:data:`conformance.models.LOGITS_TOL`);
+    ``compute_dtype``: native autocast's (see :func:`runner`)."""
     model, batch = build(name)
     with torch.no_grad():
         want = model(**batch).logits.double()
-        got = runner(model, mode)(**batch).logits
+        got = runner(model, mode, compute_dtype=compute_dtype)(**batch).logits
     err = float((got.double() - want).abs().max())
     scale = float(want.abs().max())
     return {"dtype": NAMES[got.dtype], "max_abs_error": err, "max_abs_float32": scale,
@@ -363,13 +448,18 @@ def saved_profile(model: nn.Module, fn: Callable[..., Any], batch: dict) -> list
             for k, v in sorted(rows.items(), key=lambda kv: -kv[1][1])]  # fmt: skip
 
 
-def activation_bytes(name: str, **build_kwargs: Any) -> dict:
-    """Saved-activation bytes of model ``name`` in float32, natively and under mpx (one forward each)."""
+def activation_bytes(
+    name: str, *, with_mpx: bool = True, compute_dtype: str | None = None, **build_kwargs: Any
+) -> dict:
+    """Saved-activation bytes of model ``name`` in float32, natively and (``with_mpx``) under mpx, one
+    forward each; ``compute_dtype``: native autocast's (see :func:`runner`)."""
     model, batch = build(name, **build_kwargs)
     model.train(False)
-    out = {mode: saved_bytes(model, runner(model, mode), batch) for mode in ("float32", "native")}
-    prepared = mpx_torch().prepare(copy.deepcopy(model), M.POLICY)
-    out["mpx"] = saved_bytes(prepared, lambda **b: prepared(**b), batch)
+    out = {mode: saved_bytes(model, runner(model, mode, compute_dtype=compute_dtype), batch)
+           for mode in ("float32", "native")}  # fmt: skip
+    if with_mpx:
+        prepared = mpx_torch().prepare(copy.deepcopy(model), M.POLICY)
+        out["mpx"] = saved_bytes(prepared, lambda **b: prepared(**b), batch)
     return out
 
 
@@ -377,18 +467,20 @@ def activation_bytes(name: str, **build_kwargs: Any) -> dict:
 def observe(params: dict, mode: str) -> dict:
     """The observation of one ``models`` case (``params``: ``model`` and ``aspect``) in ``mode``."""
     name, aspect = params["model"], params["aspect"]
+    compute = params["policy_dtypes"]["compute_dtype"] if "policy_dtypes" in params else None
     if aspect == "ops":
         model, batch = build(name)
-        return op_dtypes(runner(model, mode), batch)
+        return op_dtypes(runner(model, mode, compute_dtype=compute), batch, params.get("float32_ops"))
     if aspect == "compile":  # the logits only: HF's loss_function logs a warning, which dynamo refuses
         model, batch = build(name)
-        return compile_counts(runner(model, mode), {k: v for k, v in batch.items() if k != "labels"})
+        fn = runner(model, mode, compute_dtype=compute)
+        return compile_counts(fn, {k: v for k, v in batch.items() if k != "labels"})
     if aspect == "overflow":
-        return overflow_run(name, mode)
+        return overflow_run(name, mode, params.get("config"))
     if aspect == "logits":
-        return logits_error(name, mode)
+        return logits_error(name, mode, compute)
     if aspect == "activations":
-        got = activation_bytes(name)
+        got = activation_bytes(name, with_mpx=mode == "mpx", compute_dtype=compute)
         ratio = got[mode] / got["native"]
         return {"saved_bytes": got[mode], "native_saved_bytes": got["native"], "float32_saved_bytes": got["float32"],
                 "ratio_to_native": round(ratio, 4), "within_ratio": ratio <= M.ACTIVATION_RATIO}  # fmt: skip
