@@ -464,7 +464,8 @@ class KerasAdapter:
     # -- portability --------------------------------------------------------------------------------
     def save_state(self, config: dict, flags: list[bool]) -> dict:
         """The ``mpx.scaler/1`` state mpx's scaler saves after ``flags`` (``config``: ScalerConfig fields)."""
-        opt = self.mpx().LossScaleOptimizer(keras.optimizers.SGD(0.1), dict(config))
+        config = importlib.import_module("mpx").ScalerConfig(**config)
+        opt = self.mpx().LossScaleOptimizer(keras.optimizers.SGD(0.1), config)
         self.train_flags(opt, flags)
         return opt.state_dict()
 
