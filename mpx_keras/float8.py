@@ -272,8 +272,15 @@ def convert(
 
 
 def float8_layers(model: keras.layers.Layer) -> Iterator[tuple[str, _Float8Layer]]:
-    """``(path, layer)`` for every FP8 layer under ``model`` (the model itself included), each once."""
+    """``(path, layer)`` for every FP8 layer under ``model`` (the model itself included), each once.
+
+    Raises:
+        mpx.UnsupportedTypeError: for a ``model`` that is not a Keras layer.
+    """
     from mpx_keras.policy import _walk
+
+    if not isinstance(model, keras.layers.Layer):
+        raise UnsupportedTypeError(f"model: expected a Keras model or layer, got {type(model).__name__}.")
 
     for path, layer in _walk(model):
         if isinstance(layer, _Float8Layer):

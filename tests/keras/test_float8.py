@@ -351,6 +351,8 @@ def test_state_dict_round_trip_and_errors():
     with pytest.raises(mpx.StateDictError, match="margin"):
         kf8.load_float8_state_dict(other, bad)
     assert kf8.float8_state_dict(other) == before  # all or nothing
+    with pytest.raises(mpx.UnsupportedTypeError, match="Keras model or layer"):
+        kf8.float8_state_dict({"fc1": None})
 
 
 def test_saved_with_the_model(tmp_path):
