@@ -3,11 +3,11 @@
 Keras 3 saves a layer's dtype policy by name only (``Operation.from_config``
 turns a saved ``DTypePolicy`` back into its name), does not save the layer's
 ``autocast`` flag, and a functional model's config has no dtype at all.  A
-model given its policies by :func:`mpx_tf.apply_policy` would load computing
+model given its policies by :func:`mpx_keras.apply_policy` would load computing
 differently: a LayerNormalization rounding through float16 again, a GELU
 computing in float16.
 
-So :func:`mpx_tf.apply_policy` gives each layer a plain ``keras.DTypePolicy``
+So :func:`mpx_keras.apply_policy` gives each layer a plain ``keras.DTypePolicy``
 whose name says everything::
 
     mpx:params=float32,compute=float16,output=float32;autocast=off;model_output=float32
@@ -18,10 +18,16 @@ compute dtype; ``off``: they keep theirs) and the dtype its outputs are cast
 to (``output``, on the model) or cast to when they run inside another layer
 (``model_output``, on the layers producing a Sequential or functional
 model's outputs: Keras reloads those models without their own dtype).  Keras computes
-the compute and variable dtypes from the name through the parser mpx_tf
+the compute and variable dtypes from the name through the parser mpx_keras
 installs (:func:`parse_name`), so loading needs ``import mpx_keras`` (or
 ``mpx_tf``) first.  That parser is the one thing installed at import: it reads
-only names starting with ``mpx:`` and hands every other name to Keras's.
+only names starting with ``mpx:`` and hands every other name to Keras's.  No
+``DTypePolicy`` subclass could carry the names instead: Keras 3.15's
+``Operation.from_config`` (keras/src/ops/operation.py:349-354) turns every
+deserialized policy that is neither a ``DTypePolicyMap`` nor quantized back into
+its name, and the layer then builds ``DTypePolicy(name)``, whose ``__init__``
+calls ``_parse_name`` (keras/src/dtype_policies/dtype_policy.py:65); files saved
+earlier hold plain ``DTypePolicy`` configs with ``mpx:`` names (docs/keras.md).
 
 ``keras.layers.Layer.__call__`` is wrapped only once an mpx name is in use (the
 first :func:`mpx_keras.apply_policy`, or the first ``mpx:`` name Keras parses,
