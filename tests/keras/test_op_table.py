@@ -228,3 +228,68 @@ def test_inside_fit_of_a_model_given_its_policy_by_apply_policy(spec):
     # the loss runs outside every layer and scope, on the model's outputs in the output dtype (float32)
     assert SEEN == {**expected(spec), "input": half, "loss_logsumexp": "float32"}
     assert A.holds() == 0 and changed(before) == []
+
+
+class CustomStep(keras.Model):
+    """A model with the backend's own hand-written ``train_step`` (Keras's guide for each backend)."""
+
+    def _loss(self, y, y_pred):
+        SEEN["step_softmax"] = dtype(keras.ops.softmax(y_pred).dtype)  # user code inside the step
+        SEEN["step_matmul"] = dtype(keras.ops.matmul(y, keras.ops.transpose(y)).dtype)
+        return keras.ops.mean(keras.ops.square(keras.ops.cast(y_pred, "float32") - y))
+
+    if BACKEND == "tensorflow":
+
+        def train_step(self, data):
+            import tensorflow as tf
+
+            x, y = data
+            with tf.GradientTape() as tape:
+                loss = self._loss(y, self(x, training=True))
+            grads = tape.gradient(loss, self.trainable_variables)
+            self.optimizer.apply(grads, self.trainable_variables)
+            return {"loss": loss}
+
+    elif BACKEND == "torch":
+
+        def train_step(self, data):
+            import torch
+
+            x, y = data
+            self.zero_grad()
+            loss = self._loss(y, self(x, training=True))
+            loss.backward()
+            grads = [v.value.grad for v in self.trainable_weights]
+            with torch.no_grad():
+                self.optimizer.apply(grads, self.trainable_weights)
+            return {"loss": loss}
+
+    else:
+
+        def train_step(self, state, data):
+            import jax
+
+            trainable, non_trainable, optimizer_vars, metrics_vars = state
+            x, y = data
+
+            def loss_fn(tv, ntv):
+                y_pred, ntv = self.stateless_call(tv, ntv, x, training=True)
+                return self._loss(y, y_pred), ntv
+
+            (loss, non_trainable), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable, non_trainable)
+            trainable, optimizer_vars = self.optimizer.stateless_apply(optimizer_vars, grads, trainable)
+            return {"loss": loss}, (trainable, non_trainable, optimizer_vars, metrics_vars)
+
+
+@pytest.mark.parametrize("spec", MIXED)
+def test_inside_a_custom_train_step(spec):
+    before = snapshot()
+    half = mpx.get_policy(spec).compute_dtype
+    with mpx_keras.policy_scope(spec):
+        inputs = keras.Input((3,))
+        model = CustomStep(inputs, Capture()(keras.layers.Dense(3)(inputs)))
+        model.compile(optimizer=keras.optimizers.SGD(0.0), jit_compile=False)
+        SEEN.clear()
+        model.fit(np.ones((8, 3), "float32"), np.zeros((8, 3), "float32"), batch_size=4, epochs=1, verbose=0)
+    assert SEEN == {**expected(spec), "input": half, "step_softmax": "float32", "step_matmul": half}
+    assert A.holds() == 0 and changed(before) == []
