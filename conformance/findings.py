@@ -254,7 +254,8 @@ SUBJECTS: dict[str, dict[str, str]] = {
     "stepper": {**SCALER_NAME, "jax": "plain optax"},  # what applies (or skips) a non-finite step
     "replicas": REPLICA_NAME,
     "accumulation": ACCUMULATION_NAME,
-    "fp8": {"torch": "torchao float8 training", "tf": "Keras float8 Dense", "jax": "Flax fp8_ops"},
+    "fp8": {"torch": "torchao float8 training", "tf": "Keras float8 Dense", "jax": "Flax fp8_ops",
+            "keras-jax": "Keras float8 Dense on JAX", "keras-torch": "Keras float8 Dense on PyTorch"},
 }
 
 #: What a scale-trace cause means for training, the second half of a ``trace`` finding's explanation.

@@ -22,3 +22,6 @@ class KerasTorchAdapter(KerasAdapter):
 
 
 export(KerasTorchAdapter(), globals())
+
+# the fp8 group (issue 26): conformance/fp8/keras.py
+from conformance.fp8.keras import run_fp8_matmul, run_fp8_quantize, run_fp8_trace  # noqa: E402, F401
