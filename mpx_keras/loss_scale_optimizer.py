@@ -18,9 +18,11 @@ gradients, ``apply_gradients``, ``stateless_apply``, ``inner_optimizer``,
 Per backend: ``apply`` runs eagerly on torch (and inside ``tf.function`` on
 TensorFlow); the jax trainer calls :meth:`LossScaleOptimizer.stateless_apply`,
 a pure function of the variables' values (a ``cond`` on the finite flag and
-selects, no Python branch on a traced value).  On TensorFlow,
-:class:`mpx_tf.LossScaleOptimizer` adds ``tf.distribute``, gradient
-accumulation and the reduce dtype.
+selects, no Python branch on a traced value).  Gradient accumulation
+(:mod:`mpx_keras.accumulation`), history and stuck detection
+(:mod:`mpx_keras.history`) work on every backend.  On TensorFlow,
+:class:`mpx_tf.LossScaleOptimizer` subclasses this one and adds ``tf.distribute``
+and the reduce dtype.
 """
 
 from __future__ import annotations
@@ -32,172 +34,27 @@ import keras
 import numpy as np
 
 import mpx
-from mpx.errors import MPXError, ScalerConfigError, UnsupportedTypeError
+from mpx.errors import MPXError
 from mpx_keras import _compat
-from mpx_keras._scale_bits import KERAS_OPS, next_scale
+from mpx_keras._scale_bits import KERAS_OPS, TensorOps
+from mpx_keras._step import (
+    HALF,
+    INNER_ONLY,
+    STATE_VARIABLES,
+    all_finite,
+    branch,
+    check_inner,
+    divide,
+    is_concrete,
+    keras_arguments,
+    next_state,
+)
+from mpx_keras.accumulation import Window
+from mpx_keras.history import HistoryBuffer, LossFlag, check_stuck_in_step
 
-__all__ = ["LossScaleOptimizer", "keras_arguments"]
+__all__ = ["INNER_ONLY", "LossScaleOptimizer", "keras_arguments", "next_state"]
 
 ops = keras.ops
-_HALF = ("float16", "bfloat16")
-
-#: Keras's base-optimizer arguments its LossScaleOptimizer accepts at their defaults only (older
-#: saved configs carry them) and refuses otherwise, advising to set them on the inner optimizer.
-INNER_ONLY = {
-    "weight_decay": None,
-    "clipnorm": None,
-    "global_clipnorm": None,
-    "clipvalue": None,
-    "use_ema": False,
-    "ema_momentum": 0.99,
-    "ema_overwrite_frequency": None,
-    "loss_scale_factor": None,
-    "gradient_accumulation_steps": None,
-}
-
-
-def keras_arguments(
-    cfg: mpx.ScalerConfig,
-    initial_scale: float | None,
-    dynamic_growth_steps: int | None,
-    dynamic: Any,
-    kwargs: dict[str, Any],
-    allowed: str = "name",
-) -> mpx.ScalerConfig:
-    """The config after Keras's LossScaleOptimizer arguments; raises for those mpx cannot honour."""
-    if dynamic is not True:
-        raise MPXError(
-            f"dynamic: only True is accepted (Keras 3's LossScaleOptimizer is always dynamic), got {dynamic!r}; "
-            "for a fixed scale pass config=mpx.ScalerConfig(kind='static', init_scale=...)"
-        )
-    for arg, default in INNER_ONLY.items():
-        if arg in kwargs and kwargs.pop(arg) != default:
-            advice = (
-                " (mpx's scaler then moves once per optimizer step and skips a window with a "
-                "non-finite micro-batch whole)"
-                if arg == "gradient_accumulation_steps"
-                else ""
-            )
-            raise MPXError(
-                f"LossScaleOptimizer does not support `{arg}`. Instead, set `{arg}` on the `inner_optimizer`{advice}."
-            )
-    if kwargs:
-        raise MPXError(
-            f"LossScaleOptimizer: unknown arguments {', '.join(repr(k) for k in kwargs)}; allowed: "
-            f"inner_optimizer, config (an mpx.ScalerConfig, its dict, or a policy), {allowed}, and "
-            "Keras's initial_scale, dynamic_growth_steps, dynamic=True"
-        )
-    changes: dict[str, Any] = {}
-    if initial_scale is not None:
-        changes["init_scale"] = float(initial_scale)
-    if dynamic_growth_steps is not None:
-        changes["growth_interval"] = dynamic_growth_steps
-    if not changes:
-        return cfg
-    if cfg.kind != "dynamic":
-        raise ScalerConfigError(
-            f"initial_scale / dynamic_growth_steps: they configure a dynamic scaler, but config.kind is {cfg.kind!r}"
-        )
-    return mpx.ScalerConfig.from_dict({**cfg.to_dict(), **changes})
-
-
-def check_inner(inner_optimizer: Any) -> None:
-    """Raise :class:`mpx.UnsupportedTypeError` unless ``inner_optimizer`` is a plain Keras optimizer."""
-    if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
-        raise UnsupportedTypeError(
-            f"inner_optimizer: expected a keras.optimizers.Optimizer, got {type(inner_optimizer).__name__}."
-        )
-    if isinstance(inner_optimizer, keras.optimizers.LossScaleOptimizer):
-        raise UnsupportedTypeError(
-            "inner_optimizer: it is already a LossScaleOptimizer; wrap the plain optimizer once."
-        )
-    _compat.check_optimizer(inner_optimizer, _METHODS)
-
-
-#: The Keras optimizer internals this (backend-neutral) optimizer calls.
-_METHODS = ("_overwrite_variable_with_gradient",)
-
-#: The state variables, in order: (attribute, saved name, dtype).
-STATE_VARIABLES = (
-    ("dynamic_scale", "dynamic_scale", "float32"),
-    ("step_counter", "step_counter", "int32"),  # mpx's growth_tracker (Keras's name)
-    ("consecutive_nonfinite", "consecutive_nonfinite", "int32"),
-    ("total_steps", "steps", "int32"),
-    ("skipped_steps", "skipped_steps", "int32"),
-)
-
-
-def _as_value(v: Any) -> Any:
-    return v.value if isinstance(v, keras.Variable) else v
-
-
-def _increment(counter: Any, by: Any = 1) -> Any:
-    """``counter + by`` saturating at :data:`mpx.COUNTER_MAX` (no int32 wrap-around)."""
-    return ops.where(counter < mpx.COUNTER_MAX - by, counter + by, mpx.COUNTER_MAX)
-
-
-def next_state(config: mpx.ScalerConfig, state: Sequence[Any], finite: Any) -> list[Any]:
-    """:func:`mpx.scaler_update` on tensors: the five state values after a step (pure, ``keras.ops``).
-
-    ``state``: (scale float32, growth_tracker, consecutive_nonfinite, steps, skipped_steps) int32
-    tensors; ``finite``: a bool scalar tensor.
-    """
-    scale, tracker, consecutive, steps, skipped = (_as_value(v) for v in state)
-    zero = ops.zeros((), "int32")
-    consecutive = ops.where(finite, zero, _increment(consecutive))
-    if config.kind == "dynamic":
-        grown_tracker = tracker + 1
-        at_interval = ops.equal(grown_tracker, config.growth_interval)
-        back = consecutive >= config.hysteresis
-        scale = next_scale(config, scale, finite, at_interval, back, KERAS_OPS)
-        tracker = ops.where(ops.logical_and(finite, ops.logical_not(at_interval)), grown_tracker, zero)
-    steps = _increment(steps)
-    if config.skip_nonfinite:
-        skipped = ops.where(finite, skipped, _increment(skipped))
-    return [scale, tracker, consecutive, steps, skipped]
-
-
-def all_finite(grads: Sequence[Any]) -> Any:
-    """A bool scalar tensor: every element of every (not None) gradient is finite."""
-    flags = [ops.all(ops.isfinite(g)) for g in grads if g is not None]
-    return ops.all(ops.stack(flags)) if flags else ops.convert_to_tensor(True)
-
-
-def _is_concrete(x: Any) -> bool:
-    """Whether ``x`` has a value now (eager), not a traced placeholder (``tf.function``, jax tracing)."""
-    backend = keras.config.backend()
-    if backend == "tensorflow":
-        import tensorflow as tf
-
-        return tf.executing_eagerly()
-    if backend == "jax":
-        import jax
-
-        return not isinstance(x, jax.core.Tracer)
-    return True  # torch runs eagerly (torch.compile traces through Python branches)
-
-
-def branch(pred: Any, true_fn: Any, false_fn: Any) -> Any:
-    """``true_fn()`` if ``pred`` else ``false_fn()``: ``keras.ops.cond`` on TensorFlow and torch; on jax
-    a Python branch on the concrete flag (``apply`` runs eagerly there: a traced jax step calls
-    :meth:`LossScaleOptimizer.stateless_apply`, whose branches are pure)."""
-    if keras.config.backend() != "jax":
-        return ops.cond(pred, true_fn, false_fn)
-    if not _is_concrete(pred):
-        raise _compat.unsupported_on_backend(
-            "LossScaleOptimizer.apply() inside a traced (jitted) function",
-            "variables cannot be assigned inside jax tracing; call stateless_apply (as Keras's jax trainer "
-            "does) with the variables' values",
-        )
-    return true_fn() if bool(pred) else false_fn()
-
-
-def divide(g: Any, scale: Any) -> Any:
-    """``g / scale``; a half gradient is unscaled in float32, then cast back."""
-    dtype = keras.backend.standardize_dtype(g.dtype)
-    if dtype in _HALF:
-        return ops.cast(ops.divide(ops.cast(g, "float32"), scale), dtype)
-    return ops.divide(g, ops.cast(scale, dtype))
 
 
 @keras.saving.register_keras_serializable(package="mpx_keras")
@@ -222,23 +79,42 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     In a custom step: ``grads`` of ``optimizer.scale_loss(loss)``, then
     ``optimizer.apply(grads, variables)`` (unscales, checks, maybe skips).
 
+    Gradient accumulation: give the *inner* optimizer ``gradient_accumulation_steps=k``
+    (:mod:`mpx_keras.accumulation`).  The scale is constant for the k micro-batches of
+    a window, the scaler makes one transition per window (``steps`` counts windows),
+    and a window with a non-finite micro-batch is skipped whole: the model's and the
+    inner optimizer's variables (moments, accumulators, ``iterations``) end
+    bit-identical to before the window, so ``iterations`` counts applied steps.
+
     mpx's scaler surface: :meth:`get_scale` (a host read), :meth:`scale`
     (Keras's :meth:`scale_loss` is the same), :attr:`state`, :attr:`config`,
-    :meth:`state_dict` / :meth:`load_state_dict`.  The state is five variables
-    saved with the model: ``dynamic_scale`` (float32), ``step_counter`` (mpx's
-    ``growth_tracker``), ``consecutive_nonfinite``, ``steps`` and ``skipped_steps``
-    (int32).  On the jax trainer, read the state after ``fit`` (or from a
-    :class:`mpx_keras.LossScaleMonitor`): Keras copies the values back into the
-    variables at the end of each epoch and when a callback reads them.
+    :meth:`state_dict` / :meth:`load_state_dict`, :meth:`record_history` /
+    :meth:`history`.  The state is five variables saved with the model:
+    ``dynamic_scale`` (float32), ``step_counter`` (mpx's ``growth_tracker``),
+    ``consecutive_nonfinite``, ``steps`` and ``skipped_steps`` (int32).  On the jax
+    trainer, read the state after ``fit`` or from a callback: Keras copies the
+    values back into the variables at the end of each epoch and when a callback
+    reads them.
+
+    History and stuck detection work in every kind of step, compiled ones included
+    (:mod:`mpx_keras.history`): the history is a ring buffer written inside the step
+    and read on the host by :meth:`history`; with ``max_consecutive_skips`` the
+    stuck check runs on the host after each optimizer step (in Python when eager,
+    through ``tf.py_function`` in a ``tf.function``, through ``jax.debug.callback``
+    in the jax trainer's jitted step).
 
     Raises:
         ScalerConfigError: for an invalid config (or a config of another type).
         PolicyError: for a string or policy dict that is not a policy spec.
         UnsupportedTypeError: when ``inner_optimizer`` is not a Keras optimizer, or is itself loss scaling.
-        MPXError: for Keras arguments mpx cannot honour, and for what this backend cannot do
-            (gradient accumulation off TensorFlow: use ``mpx_tf.LossScaleOptimizer`` there).
+        MPXError: for Keras arguments mpx cannot honour, and for what this backend cannot do.
         FrameworkVersionError: when this Keras lacks an optimizer internal mpx uses.
     """
+
+    #: Keras arguments beside the inner optimizer and config (named in the unknown-argument error).
+    _ALLOWED = "name"
+    #: The tensor operations of the scale product (:mod:`mpx_keras._scale_bits`).
+    _tensor_ops: TensorOps = KERAS_OPS
 
     def __init__(
         self,
@@ -259,16 +135,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             )
         kwargs.pop("reduce_dtype", None)
         cfg = keras_arguments(
-            mpx.as_scaler_config(config), initial_scale, dynamic_growth_steps, dynamic, kwargs
+            mpx.as_scaler_config(config), initial_scale, dynamic_growth_steps, dynamic, kwargs, self._ALLOWED
         )
         check_inner(inner_optimizer)
-        if inner_optimizer.gradient_accumulation_steps:
-            raise _compat.unsupported_on_backend(
-                "gradient accumulation (the inner optimizer's gradient_accumulation_steps) with "
-                "mpx_keras.LossScaleOptimizer",
-                "accumulate the gradients of k micro-batches in your train step and apply them once, or on "
-                "TensorFlow use mpx_tf.LossScaleOptimizer, which skips a window with a non-finite micro-batch whole",
-            )
         super().__init__(
             inner_optimizer,
             initial_scale=cfg.first_scale,
@@ -291,7 +160,12 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 )
             setattr(self, attr, var)
         self._assign_state(mpx.scaler_init(cfg))
-        self._mpx_extras = _Extras()  # a plain object: not tracked, not saved
+        self._mpx_extras = _Extras(cfg)  # a plain object: not tracked, not saved
+        self._mpx_window = (  # checked now: an error inside fit's traced step would be masked
+            self._window_class(inner_optimizer, f"{type(self).__module__.split('.')[0]}.LossScaleOptimizer")
+            if inner_optimizer.gradient_accumulation_steps
+            else None
+        )
 
     def _state_variables(self) -> list[keras.Variable]:
         return [getattr(self, attr) for attr, _, _ in STATE_VARIABLES]
@@ -300,6 +174,35 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def build(self, var_list: Sequence[Any]) -> None:
         self.inner_optimizer.build(var_list)
         keras.optimizers.Optimizer.build(self, var_list)  # not Keras's LSO.build: the state exists already
+
+    @property
+    def variables(self) -> list[keras.Variable]:
+        """This optimizer's state variables, then the inner optimizer's (then, on jax while
+        recording, the history buffer's: the jax trainer threads only these through its step)."""
+        return self._saved_variables() + self._history_variables()
+
+    def _saved_variables(self) -> list[keras.Variable]:
+        return self._variables + self.inner_optimizer.variables
+
+    def _history_variables(self) -> list[keras.Variable]:
+        extras = getattr(self, "_mpx_extras", None)
+        if extras is None or extras.history is None or keras.config.backend() != "jax":
+            return []
+        return extras.history.variables
+
+    def save_own_variables(self, store: Any) -> None:
+        """Keras's saving: the state and the inner optimizer's variables (never the history buffer)."""
+        for i, variable in enumerate(self._saved_variables()):
+            store[str(i)] = variable.numpy()
+
+    def load_own_variables(self, store: Any) -> None:
+        """Keras's loading, of what :meth:`save_own_variables` saved (Keras's LSO files load too)."""
+        saved = self._saved_variables()
+        if len(store.keys()) != len(saved):
+            super().load_own_variables(store)  # Keras's own warning and skip
+            return
+        for i, variable in enumerate(saved):
+            variable.assign(store[str(i)])
 
     def scale(self, loss: Any) -> Any:
         """``loss`` times the current scale (a half-precision loss is first cast to float32).
@@ -315,26 +218,46 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             return loss
         loss = ops.convert_to_tensor(loss)
         dtype = keras.backend.standardize_dtype(loss.dtype)
-        if dtype in _HALF:
+        if dtype in HALF:
             loss, dtype = ops.cast(loss, "float32"), "float32"
-        if self._config.max_consecutive_skips is not None and _is_concrete(loss):
-            self._mpx_extras.loss = loss  # the stuck check tells a non-finite loss apart
+        if self._config.max_consecutive_skips is not None:  # the stuck check tells a non-finite loss apart
+            if is_concrete(loss):
+                self._mpx_extras.loss = loss
+            elif self._mpx_extras.loss_flag is not None:
+                self._mpx_extras.loss_flag.note(loss)
         return ops.multiply(loss, ops.cast(self.dynamic_scale.value, dtype))
+
+    # -- the step's parts (a backend subclass overrides them: mpx_tf) --------------------------------
+    def _divide(self, g: Any, scale: Any) -> Any:
+        """One gradient unscaled (:func:`divide`)."""
+        return divide(g, scale)
+
+    def _all_finite(self, grads: Sequence[Any]) -> Any:
+        """A bool scalar tensor: every (not None) gradient finite (:func:`all_finite`)."""
+        return all_finite(grads)
+
+    def _combine(self, finite: Any) -> Any:
+        """The flag every replica decides on (one process: ``finite`` itself)."""
+        return finite
+
+    #: The accumulation window's class (a backend subclass adds its own parts).
+    _window_class: type[Window] = Window
+
+    def _window(self) -> Window | None:
+        """The accumulation window, or None without inner ``gradient_accumulation_steps``."""
+        return self._mpx_window
 
     def _unscaled(self, grads: list[Any], trainable_variables: Sequence[Any], scale: Any) -> list[Any]:
         if self._config.kind == "none":  # a none scale is exactly 1.0: nothing to divide
             return grads
         overwritten = _compat.optimizer_member(self, "_overwrite_variable_with_gradient")
         return [
-            g if g is None or overwritten(v) else divide(g, scale)
+            g if g is None or overwritten(v) else self._divide(g, scale)
             for g, v in zip(grads, trainable_variables, strict=True)
         ]
 
-    def apply(self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None = None) -> None:
-        """Unscale the (scaled) ``grads``, update the scaler state, apply them unless the step is skipped."""
-        grads = list(grads)
-        if trainable_variables is not None:
-            trainable_variables = list(trainable_variables)
+    def _build_for(self, trainable_variables: list[Any] | None) -> list[Any]:
+        """Build on the first call; the variables the gradients belong to."""
         if not self.built:
             if trainable_variables is None:
                 raise ValueError(
@@ -344,72 +267,93 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
             self.built = True
-        variables = (
-            trainable_variables
-            if trainable_variables is not None
-            else _compat.optimizer_member(self, "_trainable_variables")
-        )
+        if trainable_variables is not None:
+            return trainable_variables
+        return list(_compat.optimizer_member(self, "_trainable_variables"))
+
+    def apply(self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None = None) -> None:
+        """Unscale the (scaled) ``grads``, update the scaler state, apply them unless the step is skipped."""
+        grads = list(grads)
+        if trainable_variables is not None:
+            trainable_variables = list(trainable_variables)
+        variables = self._build_for(trainable_variables)
+        self._replica_apply(grads, trainable_variables, variables)
+
+    def _replica_apply(self, grads: list[Any], trainable_variables: Any, variables: list[Any]) -> None:
         unscaled = self._unscaled(grads, variables, self.dynamic_scale.value)
-        finite = all_finite(unscaled)
+        window = self._window()
 
         def apply_fn() -> None:
             self.inner_optimizer.apply(unscaled, trainable_variables)
 
+        if window is None:
+            finite = self._combine(self._all_finite(unscaled))
+            self._apply_unless_skipped(finite, apply_fn)
+            self._transition(finite)
+            return
+
+        def apply_and_reset() -> None:
+            apply_fn()
+            window.reset()  # +0.0 everywhere (torch's reset multiplies by 0: -0.0), as a skip leaves them
+
+        def last_fn() -> None:
+            finite = self._combine(window.finite(unscaled, variables))
+            self._apply_unless_skipped(finite, apply_and_reset, window.skip)
+            self._transition(finite)
+
+        branch(window.is_last(), last_fn, apply_fn)  # an earlier micro-batch: the inner one accumulates
+
+    def _apply_unless_skipped(self, finite: Any, apply_fn: Any, skip_fn: Any = None) -> None:
         if self._config.skip_nonfinite:
-            branch(finite, apply_fn, lambda: None)
+            branch(finite, apply_fn, skip_fn or (lambda: None))
         else:
             apply_fn()
+
+    def _transition(self, finite: Any) -> None:
+        """:func:`mpx.scaler_update` on the variables, the history row and the stuck check."""
         state = self._state_variables()
-        for var, value in zip(state, next_state(self._config, state, finite), strict=True):
+        new = next_state(self._config, state, finite, self._tensor_ops)
+        for var, value in zip(state, new, strict=True):
             var.assign(value)
-        if _is_concrete(finite):
-            self._after_eager_step()
-
-    # -- history and stuck detection (host side) --------------------------------------------------
-    def _after_eager_step(self) -> None:
-        """After a step that ran eagerly: record the history, run the stuck check (host reads, only when on)."""
         extras = self._mpx_extras
-        if extras.history is None and self._config.max_consecutive_skips is None:
-            return
-        state = self.state
         if extras.history is not None:
-            extras.history.note(state)
-        if self._config.max_consecutive_skips is not None:
-            loss = extras.loss
-            flag = None if loss is None else bool(np.all(np.isfinite(keras.ops.convert_to_numpy(loss))))
-            extras.loss = None
-            mpx.check_stuck(self._config, state.scale, state.consecutive_nonfinite, flag, stacklevel=4)
+            extras.history.record(new[0], new[1], new[2], new[3])
+        if self._config.max_consecutive_skips is None:
+            return
+        if is_concrete(finite):
+            loss, extras.loss = extras.loss, None
+            flag = None if loss is None else bool(np.all(np.isfinite(ops.convert_to_numpy(loss))))
+            mpx.check_stuck(self._config, *(ops.convert_to_numpy(t) for t in (new[0], new[2])), flag,
+                            stacklevel=self._stuck_stacklevel)  # fmt: skip
+        elif _compat.in_xla_context():  # XLA cannot call the host: check_stuck() does, between steps
+            extras.unchecked = True
+        else:
+            flag = None if extras.loss_flag is None else extras.loss_flag.take()
+            check_stuck_in_step(self._config, new[0], new[2], flag, None)
 
-    def note_state(self) -> None:
-        """Record the current state in the history if a step ran since the last record (the
-        :class:`mpx_keras.LossScaleMonitor` calls it after each batch: jax's ``fit`` steps are pure)."""
-        if self._mpx_extras.history is not None:
-            self._mpx_extras.history.note(self.state)
+    def check_stuck(self) -> None:
+        """The stuck check of the current state, on the host, for steps that could not check themselves.
 
-    @property
-    def recording_history(self) -> bool:
-        """Whether :meth:`record_history` is on."""
-        return self._mpx_extras.history is not None
-
-    def record_history(self, enabled: bool = True, *, capacity: int = 65536) -> None:
-        """Start (or with False stop) recording the state after each step; keeps the last ``capacity``.
-
-        Steps that run eagerly (torch; custom loops on jax and TensorFlow) record themselves, a host
-        read each; steps inside ``fit`` on jax (pure) or a ``tf.function`` record through a
-        :class:`mpx_keras.LossScaleMonitor` (after each batch).  Starting again clears the record.
-        """
-        self._mpx_extras.history = _HostHistory(capacity, self.state.steps) if enabled else None
-
-    def history(self) -> mpx.ScalerHistory:
-        """The recorded steps as an :class:`mpx.ScalerHistory`.
+        Every step checks itself (:mod:`mpx_keras.history`) except one compiled by XLA on
+        TensorFlow (``jit_compile=True``), which cannot call the host: for those this
+        method runs :func:`mpx.check_stuck` (once per optimizer step), and
+        :class:`mpx_keras.LossScaleMonitor` calls it after each batch.  Otherwise it does nothing.
 
         Raises:
-            MPXError: when :meth:`record_history` was not called, or when steps ran where nothing
-                recorded them (a traced step without a :class:`mpx_keras.LossScaleMonitor`).
+            ScalerStuckError: in raise mode, when the scaler is stuck.
         """
-        if self._mpx_extras.history is None:
-            raise MPXError("history: not recording; call optimizer.record_history() before training.")
-        return self._mpx_extras.history.read(self._config, self.state.steps)
+        extras = self._mpx_extras
+        if not extras.unchecked or self._config.max_consecutive_skips is None:
+            return
+        state = self.state
+        if state.steps == extras.checked_at:
+            return
+        extras.checked_at = state.steps
+        flag = None if extras.loss_flag is None else int(ops.convert_to_numpy(extras.loss_flag.flag.value))
+        mpx.check_stuck(self._config, state.scale, state.consecutive_nonfinite, flag, stacklevel=3)
+
+    #: How far up the eager stuck check's warning points (the user's apply call).
+    _stuck_stacklevel = 5
 
     def apply_gradients(self, grads_and_vars: Any) -> Any:
         grads, trainable_variables = zip(*grads_and_vars, strict=True)
@@ -420,8 +364,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         """The step as a pure function of the variables' values (the jax trainer calls it).
 
         Returns ``(new trainable values, new optimizer values)``, ``optimizer_variables``
-        ordered as :attr:`variables` (this optimizer's own, then the inner one's).  A
-        skipped step returns the trainable and inner values it was given.
+        ordered as :attr:`variables`.  A skipped step (a skipped window's last
+        micro-batch) returns the trainable and inner values as before it (the window).
+        Branches are ``keras.ops.cond`` and selects, never a Python branch on a value.
         """
         if keras.config.backend() == "tensorflow":
             raise _compat.unsupported_on_backend(
@@ -432,37 +377,90 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             raise ValueError(
                 "stateless_apply needs a built optimizer; call optimizer.build(trainable_variables) first."
             )
-        variables = list(self.variables)  # this optimizer's own, then the inner one's
-        own = variables[: len(variables) - len(self.inner_optimizer.variables)]
+        cfg = self._config
+        variables = self.variables
+        own = self._variables
+        inner_vars = list(self.inner_optimizer.variables)
+        extra = self._history_variables()
         optimizer_variables = list(optimizer_variables)
-        trainable_variables = list(trainable_variables)
-        inner_values = optimizer_variables[len(own) :]
+        trainable_values = list(trainable_variables)
+        inner_values = optimizer_variables[len(own) : len(own) + len(inner_vars)]
+        model_variables = list(_compat.optimizer_member(self, "_trainable_variables"))
         mapping = list(zip(variables, optimizer_variables, strict=True))
-        with _compat.StatelessScope(state_mapping=mapping) as scope:
+        window = self._window()
+        with _compat.StatelessScope(
+            state_mapping=mapping + list(zip(model_variables, trainable_values, strict=True))
+        ) as scope:
             state = [scope.get_current_value(v) for v in self._state_variables()]
-            unscaled = self._unscaled(
-                list(grads), _compat.optimizer_member(self, "_trainable_variables"), state[0]
-            )
-            finite = all_finite(unscaled)
-
-            def apply_fn() -> Any:
-                new_trainable, new_inner = self.inner_optimizer.stateless_apply(
-                    inner_values, unscaled, trainable_variables
-                )
-                return list(new_trainable), list(new_inner)
-
-            if self._config.skip_nonfinite:
-                new_trainable, new_inner = ops.cond(
-                    finite, apply_fn, lambda: (list(trainable_variables), list(inner_values))
-                )
+            unscaled = self._unscaled(list(grads), model_variables, state[0])
+            if window is None:
+                finite, last = self._all_finite(unscaled), None
             else:
-                new_trainable, new_inner = apply_fn()
-            for var, value in zip(
-                self._state_variables(), next_state(self._config, state, finite), strict=True
-            ):
+                finite, last = window.finite(unscaled, model_variables), window.is_last()
+
+        def apply_fn() -> Any:
+            new_trainable, new_inner = self.inner_optimizer.stateless_apply(
+                inner_values, unscaled, trainable_values
+            )
+            return list(new_trainable), list(new_inner)
+
+        def skip_fn() -> Any:
+            if window is None:
+                return list(trainable_values), list(inner_values)
+            with _compat.StatelessScope(
+                state_mapping=list(zip(inner_vars, inner_values, strict=True))
+            ) as skipped:
+                window.skip()
+                return list(trainable_values), [skipped.get_current_value(v) for v in inner_vars]
+
+        if cfg.skip_nonfinite:
+            skip = ops.logical_not(finite) if last is None else ops.logical_and(last, ops.logical_not(finite))
+            new_trainable, new_inner = ops.cond(skip, skip_fn, apply_fn)
+        else:
+            new_trainable, new_inner = apply_fn()
+        with _compat.StatelessScope(state_mapping=mapping) as scope:
+            new = next_state(cfg, state, finite, self._tensor_ops)
+            if last is not None:  # the scaler moves at the window's last micro-batch only
+                new = [ops.where(last, n, s) for n, s in zip(new, state, strict=True)]
+            for var, value in zip(self._state_variables(), new, strict=True):
                 var.assign(value)
+            if self._mpx_extras.history is not None:
+                self._mpx_extras.history.record(new[0], new[1], new[2], new[3], when=last)
             new_own = [scope.get_current_value(v) for v in own]
-        return list(new_trainable), new_own + list(new_inner)
+            new_extra = [scope.get_current_value(v) for v in extra]
+        if cfg.max_consecutive_skips is not None:
+            check_stuck_in_step(cfg, new[0], new[2], None, last)
+        return list(new_trainable), new_own + list(new_inner) + new_extra
+
+    # -- history (mpx_keras.history) ------------------------------------------------------------
+    @property
+    def recording_history(self) -> bool:
+        """Whether :meth:`record_history` is on."""
+        return self._mpx_extras.history is not None
+
+    def record_history(self, enabled: bool = True, *, capacity: int = 65536) -> None:
+        """Start (or with False stop) recording the state after each optimizer step.
+
+        Keeps the last ``capacity`` steps (default 65536) in a ring-buffer variable
+        written inside the step (eager, ``tf.function``, ``jit_compile``, the jax
+        trainer's jitted step); starting again clears the record.  Call it before
+        the step is traced (for an already traced ``fit``:
+        ``model.make_train_function(force=True)``).
+
+        Raises:
+            MPXError: for a ``capacity`` that is not an int in [1, 2**31 - 1].
+        """
+        self._mpx_extras.history = HistoryBuffer(capacity) if enabled else None
+
+    def history(self) -> mpx.ScalerHistory:
+        """The recorded steps as an :class:`mpx.ScalerHistory` (one host read of the buffer).
+
+        Raises:
+            MPXError: when :meth:`record_history` was not called.
+        """
+        if self._mpx_extras.history is None:
+            raise MPXError("history: not recording; call optimizer.record_history() before training.")
+        return self._mpx_extras.history.read(self._config)
 
     # -- mpx's scaler API ------------------------------------------------------------------
     @property
@@ -473,7 +471,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     @property
     def state(self) -> mpx.ScalerState:
         """The current state, read from the variables (a host read)."""
-        values = [keras.ops.convert_to_numpy(v.value) for v in self._state_variables()]
+        values = [ops.convert_to_numpy(v.value) for v in self._state_variables()]
         return mpx.ScalerState(
             scale=float(np.float32(values[0])),
             growth_tracker=int(values[1]),
@@ -484,7 +482,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     def get_scale(self) -> float:
         """The current loss scale as a Python float (a host read; in a traced step use ``dynamic_scale``)."""
-        return float(np.float32(keras.ops.convert_to_numpy(self.dynamic_scale.value)))
+        return float(np.float32(ops.convert_to_numpy(self.dynamic_scale.value)))
 
     def state_dict(self) -> dict[str, Any]:
         """The neutral JSON-safe state dict (format ``mpx.scaler/1``), as every mpx scaler writes."""
@@ -502,8 +500,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         config, state = mpx.load_state_dict(data)  # every check first: below, nothing can fail
         self._assign_state(state)
         self._config = config
-        if self._mpx_extras.history is not None:
-            self.record_history(capacity=self._mpx_extras.history.capacity)
+        self._mpx_extras.configure(config)
         self.initial_scale = config.first_scale
         self.dynamic_growth_steps = config.growth_interval
 
@@ -537,50 +534,23 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         )
 
 
-class _HostHistory:
-    """The states after each step, recorded on the host (a deque of the last ``capacity`` rows)."""
-
-    def __init__(self, capacity: int, steps: int) -> None:
-        if (
-            not isinstance(capacity, int)
-            or isinstance(capacity, bool)
-            or not 1 <= capacity <= mpx.COUNTER_MAX
-        ):
-            raise MPXError(f"capacity: expected an int in [1, 2**31 - 1] (steps kept), got {capacity!r}")
-        self.capacity = capacity
-        self.start = steps  # the step count when recording began
-        self.rows: list[list[int]] = []
-        self.recorded = 0
-
-    def note(self, state: mpx.ScalerState) -> None:
-        last = self.rows[(self.recorded - 1) % self.capacity][3] if self.recorded else self.start
-        if state.steps <= last:
-            return
-        row = [int(np.float32(state.scale).view(np.int32)), state.growth_tracker, state.consecutive_nonfinite,
-               state.steps]  # fmt: skip
-        if len(self.rows) < self.capacity:
-            self.rows.append(row)
-        else:
-            self.rows[self.recorded % self.capacity] = row
-        self.recorded += 1
-
-    def read(self, config: mpx.ScalerConfig, steps: int) -> mpx.ScalerHistory:
-        seen = self.start + self.recorded
-        if steps != seen and steps < mpx.COUNTER_MAX:
-            raise MPXError(
-                f"history: {steps - seen} step(s) ran where nothing recorded them (a step traced inside "
-                "tf.function or jax's fit); add mpx_keras.LossScaleMonitor() to fit's callbacks, which "
-                "records after each batch"
-            )
-        rows = np.zeros((self.capacity, 4), np.int64)
-        if self.rows:
-            rows[: len(self.rows)] = np.asarray(self.rows, np.int64)
-        return mpx.ScalerHistory.from_rows(config, rows, self.recorded)
-
-
 class _Extras:
-    """The optimizer's host-side parts: the history (None when off) and the last eager loss."""
+    """The optimizer's optional parts: the history buffer, the loss flag (None when off) and the
+    last eager loss; a plain object, so nothing in it is tracked or saved."""
 
-    def __init__(self) -> None:
-        self.history: _HostHistory | None = None
+    def __init__(self, config: mpx.ScalerConfig) -> None:
+        self.history: HistoryBuffer | None = None
+        self.loss_flag: LossFlag | None = None
         self.loss: Any = None
+        self.unchecked = False  # a step was traced where it cannot check itself (XLA on TensorFlow)
+        self.checked_at = -1  # the step count check_stuck() last checked
+        self.configure(config)
+
+    def configure(self, config: mpx.ScalerConfig) -> None:
+        """A loss flag for a traced TensorFlow step, once the config checks for stuck scaling."""
+        if (
+            config.max_consecutive_skips is not None
+            and self.loss_flag is None
+            and keras.config.backend() == "tensorflow"
+        ):
+            self.loss_flag = LossFlag()

@@ -17,7 +17,6 @@ from typing import Any
 import keras
 import numpy as np
 
-import mpx
 from mpx.errors import UnsupportedTypeError
 
 __all__ = ["LossScaleMonitor", "ModelCheck", "UnscaledFloat16Warning", "check_model"]
@@ -106,10 +105,12 @@ class LossScaleMonitor(keras.callbacks.Callback):
     message) when a layer computes in float16 and the model's optimizer does no loss
     scaling.  After each training batch it adds ``loss_scale`` (the scale, a float) and
     ``skipped_steps`` (steps skipped since training began) to the batch's logs, and the
-    same at each epoch's end, so ``model.fit(...).history`` holds them; and it runs the
-    core's stuck check (:func:`mpx.check_stuck`) when the config sets
-    ``max_consecutive_skips`` (on every backend, the jax trainer's pure step included).
-    Reading the scale is a host read each batch.
+    same at each epoch's end, so ``model.fit(...).history`` holds them.  Reading the
+    scale is a host read each batch.  History and the stuck check need no callback
+    (the optimizer does both inside its steps, :mod:`mpx_keras.history`), except the
+    stuck check of a step XLA compiles on TensorFlow (``jit_compile=True``), which
+    cannot reach the host: this callback runs it after each batch
+    (:meth:`mpx_keras.LossScaleOptimizer.check_stuck`).
 
     Args:
         warn: keyword only; whether ``on_train_begin`` warns (default True).
@@ -148,13 +149,10 @@ class LossScaleMonitor(keras.callbacks.Callback):
                 logs["loss_scale"] = scale
             return
         state = scaler.state
-        if hasattr(scaler, "note_state"):
-            scaler.note_state()
         logs["loss_scale"] = state.scale
         logs["skipped_steps"] = state.skipped_steps - self._skipped_at_begin
-        config = scaler.config
-        if config.max_consecutive_skips is not None:
-            mpx.check_stuck(config, state.scale, state.consecutive_nonfinite, None, stacklevel=4)
+        if hasattr(scaler, "check_stuck"):  # steps XLA compiled on TensorFlow cannot check themselves
+            scaler.check_stuck()
 
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
         self._write(logs)

@@ -70,7 +70,9 @@ def test_fit_follows_the_reference_trace(jit_compile):
     x, y = data(FLAGS)
     h = m.fit(x, y, batch_size=4, shuffle=False, verbose=0, callbacks=[mpx_keras.LossScaleMonitor()])
     assert opt.state == reference(CONFIG, FLAGS)
-    assert opt.history() == mpx.ScalerHistory.reference(CONFIG, FLAGS)
+    assert opt.history() == mpx.ScalerHistory.reference(
+        CONFIG, FLAGS
+    )  # (tests/keras/test_history.py: no monitor)
     assert h.history["loss_scale"] == [reference(CONFIG, FLAGS).scale]
     assert h.history["skipped_steps"] == [FLAGS.count(False)]
     assert int(keras.ops.convert_to_numpy(opt.iterations)) == FLAGS.count(True)  # skipped steps do not count
@@ -219,12 +221,6 @@ def test_counters_saturate_without_wrapping():
 
 
 # -- what a backend cannot do -------------------------------------------------------------------------------
-def test_gradient_accumulation_names_the_backend():
-    with pytest.raises(mpx.MPXError, match=rf"not supported on Keras's '{BACKEND}' backend") as err:
-        mpx_keras.LossScaleOptimizer(keras.optimizers.SGD(gradient_accumulation_steps=2))
-    assert "version" not in str(err.value)
-
-
 def test_reduce_dtype_names_the_backend():
     with pytest.raises(mpx.MPXError, match=rf"reduce_dtype is not supported on Keras's '{BACKEND}' backend"):
         mpx_keras.LossScaleOptimizer(keras.optimizers.SGD(), reduce_dtype="bfloat16")
