@@ -268,7 +268,27 @@ def convert(
         if layer.built:
             with _compat.unlocked(layer):
                 layer._fp8_build_state()
+        else:
+            _build_state_after_build(layer)
     return model
+
+
+def _build_state_after_build(layer: _Float8Layer) -> None:
+    """Give an unbuilt converted layer its FP8 state when it builds.
+
+    Keras binds a layer's ``build`` at construction (an instance attribute wrapping the class's
+    method), so the class swap alone would leave Dense's ``build`` in place: wrap that instance ``build``.
+    """
+    keras_build = layer.build
+
+    def build(*args: Any, **kwargs: Any) -> None:
+        keras_build(*args, **kwargs)
+        if isinstance(layer, _Float8Layer) and "fp8_input_scale" not in layer.__dict__:
+            with _compat.unlocked(layer):
+                layer._fp8_build_state()
+
+    build.__wrapped__ = keras_build  # type: ignore[attr-defined]
+    layer.__dict__["build"] = build
 
 
 def float8_layers(model: keras.layers.Layer) -> Iterator[tuple[str, _Float8Layer]]:

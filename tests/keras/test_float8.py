@@ -321,6 +321,24 @@ def test_overrides_keep_layers_out_and_einsum_dense_converts():
         mpx_keras.apply_policy(model, "mixed_bfloat16")  # a built FP8 layer cannot lose its state
 
 
+def test_a_layer_converted_before_it_builds_gets_its_state_when_it_builds():
+    spec = "mixed_bfloat16,fp8=hybrid,fp8_history=4"
+    with mpx_keras.policy_scope(spec):
+        model = keras.Sequential([keras.layers.Dense(6, name="a"), keras.layers.Dense(2, name="b")])
+    mpx_keras.apply_policy(model, spec)
+    assert [type(layer) for layer in model.layers] == [kf8.Float8Dense] * 2
+    assert not any(layer.built for layer in model.layers)
+    model.compile(keras.optimizers.SGD(1e-2), loss="mse")
+    x = np.full((8, 5), 1.5, np.float32)
+    model.fit(x, np.ones((8, 2), np.float32), batch_size=8, epochs=1, verbose=0)
+    state = kf8.float8_state_dict(model)["tensors"]["a.input"]
+    assert state == {
+        "role": "input",
+        "scale": float(np.float32(448.0 / 1.5)),
+        "amax_history": [1.5, 0.0, 0.0, 0.0],
+    }
+
+
 def test_einsum_equations_fp8_cannot_run_raise():
     with pytest.raises(mpx.Float8Error, match="equation"):
         _float8_ops.contraction("abc,cd->ad", 3)  # b summed out of the input only
