@@ -74,6 +74,21 @@ def _mpx_dense(units: int, in_dim: int, spec: str) -> keras.layers.Layer:
     return mpx_keras.apply_policy(model, spec).layers[0]
 
 
+def _gradients(layer: keras.layers.Layer, variables: list):
+    """``(x, g) -> gradients of sum(layer(x) * g)`` for ``variables``: jitted on jax (a stateless call, as
+    ``fit`` compiles it), else the adapter's eager ``value_and_grad``."""
+    if keras.backend.backend() != "jax":
+        return lambda x, g: _STEPS.value_and_grad(lambda: ops.sum(layer(x, training=True) * g), variables)[1]
+    import jax
+
+    def loss(values: list, x, g):
+        with keras.StatelessScope(state_mapping=list(zip(variables, values, strict=True))):
+            return ops.sum(layer(x, training=True) * g)
+
+    grad = jax.jit(jax.grad(loss))
+    return lambda x, g: grad([v.value for v in variables], x, g)
+
+
 def run_fp8_trace(p: dict, mode: str) -> dict:
     """The scale each step leaves for the next, the FP8 variables written by an optimizer step (as ``fit``
     takes it) on every step the loss scaler does not skip (mpx: a Float8Dense's ``fp8_<role>_scale``;
@@ -101,6 +116,7 @@ def run_fp8_trace(p: dict, mode: str) -> dict:
         def scale() -> np.float32:
             return np.float32(1.0) / np.float32(_numpy(var))
 
+    gradients = _gradients(layer, variables)
     opt = keras.optimizers.SGD(learning_rate=0.0)
     opt.build(variables)
     ones = ops.ones((2, 4), "float32")
@@ -109,7 +125,7 @@ def run_fp8_trace(p: dict, mode: str) -> dict:
     for bits, skipped in zip(p["amaxes"], p["skipped"], strict=True):
         amax = ops.convert_to_tensor(trace_input(float(bits_to_f32([bits])[0])))
         x, g = (ones, amax) if grad_role else (amax, ones)
-        _, grads = _STEPS.value_and_grad(lambda x=x, g=g: ops.sum(layer(x, training=True) * g), variables)
+        grads = gradients(x, g)
         if not skipped:  # a skipped step writes no variable (the loss scaler's skip)
             _STEPS.apply(opt, grads, variables)
         scales.append(scale())
