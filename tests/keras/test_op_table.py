@@ -8,6 +8,7 @@ and after ``fit``; a nested float32 scope forces float32; ``op_table=`` override
 
 from __future__ import annotations
 
+import doctest
 import importlib
 
 import keras
@@ -86,6 +87,12 @@ def native(spec: str) -> dict[str, str]:
     half = mpx.get_policy(spec).compute_dtype
     return {**expected(spec), "softmax": half, "logsumexp": half, "mean": half, "matmul": "float32",
             "einsum": "float32"}  # fmt: skip
+
+
+@pytest.mark.parametrize("module", [A, mpx_keras], ids=["mpx_keras.autocast", "mpx_keras"])
+def test_doctests(module):
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0
 
 
 @pytest.mark.parametrize("spec", MIXED)
@@ -183,8 +190,14 @@ SEEN: dict[str, str] = {}
 class Capture(keras.layers.Layer):
     """A custom layer: records the op table's dtypes inside its call (traced, or each step on torch)."""
 
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.softmax = keras.layers.Softmax()  # a Keras layer inside: library code
+
     def call(self, x):
         SEEN.update(ops_of(x), input=dtype(x.dtype))
+        SEEN["library_softmax"] = dtype(self.softmax(x).dtype)
+        SEEN["activations_softmax"] = dtype(keras.activations.softmax(x).dtype)  # Keras's function
         return x
 
 
@@ -211,7 +224,9 @@ def test_inside_fit_under_a_policy_scope(spec, jit_compile):
     with mpx_keras.policy_scope(spec):
         model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(3), Capture()])
         _fit(model, jit_compile)
-    assert SEEN == {**expected(spec), "input": half, "loss_logsumexp": "float32"}
+    # Keras's Softmax layer and softmax activation compute in the compute dtype, as natively
+    library = {"library_softmax": half, "activations_softmax": half}
+    assert SEEN == {**expected(spec), **library, "input": half, "loss_logsumexp": "float32"}
     assert A.holds() == 0 and changed(before) == []
 
 
@@ -226,7 +241,9 @@ def test_inside_fit_of_a_model_given_its_policy_by_apply_policy(spec):
     assert A.holds() == 0
     _fit(model, False)
     # the loss runs outside every layer and scope, on the model's outputs in the output dtype (float32)
-    assert SEEN == {**expected(spec), "input": half, "loss_logsumexp": "float32"}
+    # the Softmax layer inside is in the softmax category: float32 by apply_policy's per-layer policy
+    library = {"library_softmax": "float32", "activations_softmax": half}
+    assert SEEN == {**expected(spec), **library, "input": half, "loss_logsumexp": "float32"}
     assert A.holds() == 0 and changed(before) == []
 
 
@@ -291,5 +308,12 @@ def test_inside_a_custom_train_step(spec):
         model.compile(optimizer=keras.optimizers.SGD(0.0), jit_compile=False)
         SEEN.clear()
         model.fit(np.ones((8, 3), "float32"), np.zeros((8, 3), "float32"), batch_size=4, epochs=1, verbose=0)
-    assert SEEN == {**expected(spec), "input": half, "step_softmax": "float32", "step_matmul": half}
+    library = {"library_softmax": half, "activations_softmax": half}
+    assert SEEN == {
+        **expected(spec),
+        **library,
+        "input": half,
+        "step_softmax": "float32",
+        "step_matmul": half,
+    }
     assert A.holds() == 0 and changed(before) == []
