@@ -18,7 +18,10 @@ The documented output is ``DIR/bench.json`` (format ``"mpx.bench/1"``):
   ``activation_bytes``, ``activation_profile`` (where those bytes go: ``producer``, ``dtype``,
   ``bytes``, ``tensors``, largest first; torch and JAX), ``xla_temp_bytes``, ``traces_per_step``,
   ``host_transfers_per_step``, ``host_syncs_per_step`` (None where not measured), and the worker's notes;
-  with ``--compile`` (torch) also the modes ``fp32-compiled``, ``native-compiled``, ``mpx-compiled`` and
+  under a policy with ``fp8=`` (torch), ``fp8_layers``, ``fp8_gemm`` (``emulate`` | ``scaled_mm``) and
+  ``fp8_note`` (``CPU emulation: ...`` unless every FP8 GEMM ran ``torch._scaled_mm`` on a CUDA device;
+  the FP8 state commits after each step as in training; memory is ``activation_bytes``, FP8 inputs saved
+  as one byte each); with ``--compile`` (torch) also the modes ``fp32-compiled``, ``native-compiled``, ``mpx-compiled`` and
   their ``frames_compiled``, ``graphs``, ``graph_breaks`` and ``frames_compiled_after_warmup`` (dynamo's
   counters over that configuration's steps), with the comparisons ``mpx-compiled/native-compiled``,
   ``mpx-compiled/mpx`` and ``native-compiled/native``;
@@ -26,7 +29,7 @@ The documented output is ``DIR/bench.json`` (format ``"mpx.bench/1"``):
   (``native/fp32``, ``mpx/fp32``, ``mpx/native``, ``scaling/mpx``, ``scaling/native``,
   ``mpx-noscale/native-noscale``, ``activations/mpx``...), ``numerator``, ``denominator`` (config ids),
   ``median``, ``min``, ``max``, ``q1``, ``q3`` (of the per-round ratios), ``pairs``, ``target`` (see
-  ``stats.TARGET_HELP``), ``meets_target``, ``warning`` (when the pairs spread wider than what the ratio shows);
+  ``stats.TARGET_HELP``; None for a policy with ``fp8=``, whose ``target_note`` says why), ``meets_target``, ``warning`` (when the pairs spread wider than what the ratio shows);
 * ``warnings``: a busy machine (load average above half the cores) and every noisy comparison;
 * ``backends[NAME].threads``: the framework's thread pools where it reports them (torch, TensorFlow).
 * ``backends.torch.hf_activations``: saved-activation bytes of HF GPT-2 and Llama (2 blocks, hidden 128,
@@ -92,13 +95,15 @@ def _config_row(backend: str, rec: dict[str, Any]) -> dict[str, Any]:
     }
     for key in ("activation_bytes", "saved_weight_copy_bytes", "xla_temp_bytes", "xla_argument_bytes",
                 "traces_total", "traces_per_step", "host_transfers_per_step", "host_syncs_per_step",
-                "frames_compiled", "graphs", "graph_breaks", "frames_compiled_after_warmup"):  # fmt: skip
+                "frames_compiled", "graphs", "graph_breaks", "frames_compiled_after_warmup",
+                "fp8_layers", "fp8_gemm"):  # fmt: skip
         row[key] = rec.get(key)
     for key in (
         "activation_profile",
         "activation_note",
         "traces_note",
         "host_transfers_note",
+        "fp8_note",
         "measure_error",
     ):
         if rec.get(key):

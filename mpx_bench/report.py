@@ -35,6 +35,14 @@ def _ratio(c: dict[str, Any]) -> str:
     return f"{c['median']:.3f}x [{c['min']:.3f}-{c['max']:.3f}]{target}"
 
 
+def _fp8_label(c: dict[str, Any]) -> str | None:
+    """``FP8 (N layers, CPU emulation)`` for a configuration that ran FP8 GEMMs, else None."""
+    if not c.get("fp8_layers"):
+        return None
+    where = "CPU emulation" if (c.get("fp8_note") or "").startswith("CPU emulation") else "FP8 hardware"
+    return f"FP8 ({c['fp8_layers']} layers, {where})"
+
+
 def _config_table(data: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     head = ["backend", "configuration", "step ms median [min-max]", "first call ms", "activations", "traces/step",
             "note"]  # fmt: skip
@@ -47,7 +55,7 @@ def _config_table(data: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
         rows.append([c["backend"], c["id"], _ms(c["step_ms"]) if c["status"] == "ok" else "skipped",
                      "-" if c["first_call_ms"] is None else f"{c['first_call_ms']:.0f}",
                      _bytes(c.get("activation_bytes")), traced,
-                     (c.get("note") or "")[:90]])  # fmt: skip
+                     "; ".join(n for n in (c.get("note"), _fp8_label(c)) if n)[:90]])  # fmt: skip
     return head, rows
 
 
@@ -92,8 +100,12 @@ def _machine_line(data: dict[str, Any]) -> str:
     m = data["machine"]
     mem = f", {m['memory_bytes'] / (1 << 30):.0f} GiB" if m.get("memory_bytes") else ""
     load = m.get("load_average")
-    load_text = "" if not load else f"; load average {load[0]:g} at the start" + (
-        f", {m['load_average_end'][0]:g} at the end" if m.get("load_average_end") else "")
+    load_text = (
+        ""
+        if not load
+        else f"; load average {load[0]:g} at the start"
+        + (f", {m['load_average_end'][0]:g} at the end" if m.get("load_average_end") else "")
+    )
     return (f"{m['cpu_model']}, {m['cpu_count']} cores{mem}, flags: {' '.join(m['cpu_flags']) or 'none'}; "
             f"{m['platform']}, Python {m['python']}{load_text}")  # fmt: skip
 
@@ -164,9 +176,21 @@ def markdown(data: dict[str, Any]) -> str:
         "",
         _md_table(*_comparison_table(data)),
         "",
-        *(["Targets (mpx's performance goals; a ratio's median must be at most this):", "",
-           *[f"- {line}" for line in _targets(data)], ""] if _targets(data) else []),
-        *(["Warnings:", "", *[f"- {w}" for w in data.get("warnings") or []], ""] if data.get("warnings") else []),
+        *(
+            [
+                "Targets (mpx's performance goals; a ratio's median must be at most this):",
+                "",
+                *[f"- {line}" for line in _targets(data)],
+                "",
+            ]
+            if _targets(data)
+            else []
+        ),
+        *(
+            ["Warnings:", "", *[f"- {w}" for w in data.get("warnings") or []], ""]
+            if data.get("warnings")
+            else []
+        ),
         *_profile_section(data),
         "![step time per backend and configuration](bench.png)",
         "",

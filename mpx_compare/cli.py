@@ -26,7 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", action="append", metavar="NAME",
                         help=f"a backend (repeatable): {', '.join(BACKENDS)}; default: every installed one")
     parser.add_argument("--policy", action="append", metavar="SPEC",
-                        help="a policy compared with float32 (repeatable; default: mixed_bfloat16)")
+                        help="a policy compared with float32 (repeatable; default: mixed_bfloat16); FP8 "
+                             "policies too (mixed_bfloat16_fp8, mixed_bfloat16,fp8=hybrid)")
     parser.add_argument("--model", default="mlp", metavar="NAME", help=f"{', '.join(MODELS)} (default: mlp)")
     parser.add_argument("--dataset", default=None, metavar="NAME",
                         help=f"{', '.join(DATASETS)} (default: digits; sequence for the transformer)")

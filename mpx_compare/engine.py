@@ -13,11 +13,15 @@
 * ``summary``: one per backend and policy: ``val_accuracy`` and ``val_loss`` (mean over seeds),
   ``delta_points`` (accuracy minus float32's in percentage points, paired by seed: ``mean``, ``min``,
   ``max``, ``std``, ``n``), ``passed`` (``|mean delta| <= criterion_points``; None for float32),
-  ``skipped_steps`` (mean), ``final_scale`` (mean).
+  ``skipped_steps`` (mean), ``final_scale`` (mean), ``fp8_layers`` (layers that ran FP8 GEMMs) and,
+  for a policy with ``fp8=`` whose policy without FP8 ran too (``mixed_bfloat16_fp8`` next to
+  ``mixed_bfloat16``), ``vs_without_fp8``: ``policy`` (that one) and ``mean`` (accuracy delta to it in
+  percentage points, paired by seed); None otherwise.  Runs also hold ``fp8_layers``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import statistics
 import time
@@ -58,14 +62,33 @@ def summarize(runs: Sequence[dict[str, Any]], criterion_points: float = 0.5) -> 
             delta = {"mean": statistics.fmean(deltas), "min": min(deltas), "max": max(deltas),
                      "std": statistics.stdev(deltas) if len(deltas) > 1 else 0.0, "n": len(deltas)}  # fmt: skip
         scales = [r["final_scale"] for r in mine if r["final_scale"] is not None]
+        vs = None
+        without = _without_fp8(policy)
+        half = {r["seed"]: r for r in runs if r["backend"] == backend and r["policy"] == without}
+        paired = [100.0 * (r["val_accuracy"] - half[r["seed"]]["val_accuracy"]) for r in mine if r["seed"] in half]
+        if without is not None and paired:
+            vs = {"policy": without, "mean": statistics.fmean(paired), "n": len(paired)}
         out.append({"backend": backend, "policy": policy,
                     "val_accuracy": statistics.fmean(r["val_accuracy"] for r in mine),
                     "val_loss": statistics.fmean(r["val_loss"] for r in mine),
                     "delta_points": delta,
                     "passed": None if delta is None else abs(delta["mean"]) <= criterion_points,
                     "skipped_steps": statistics.fmean(r["skipped_steps"] for r in mine),
-                    "final_scale": statistics.fmean(scales) if scales else None, "seeds": len(mine)})  # fmt: skip
+                    "final_scale": statistics.fmean(scales) if scales else None, "seeds": len(mine),
+                    "fp8_layers": max(r.get("fp8_layers", 0) for r in mine), "vs_without_fp8": vs})  # fmt: skip
     return out
+
+
+def _without_fp8(policy: str) -> str | None:
+    """The name ``compare`` gives ``policy`` without its FP8 recipe (None: no ``fp8=`` or not a policy)."""
+    try:
+        p = mpx.get_policy(policy)
+    except mpx.MPXError:
+        return None
+    if p.fp8 is None:
+        return None
+    base = dataclasses.replace(p, fp8=None)
+    return str(base.name or base)
 
 
 def _document(settings: dict[str, Any], command: list[str] | None) -> dict[str, Any]:

@@ -46,15 +46,18 @@ def plot_history(history: ScalerHistory, path: Path, title: str | None = None) -
 def _table(data: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     crit = data["settings"]["criterion_points"]
     head = ["backend", "policy", "val accuracy %", "val loss", "delta points mean [min, max] (std)",
-            f"within {crit:g} pt", "skipped steps", "final scale"]  # fmt: skip
+            f"within {crit:g} pt", "skipped steps", "final scale", "FP8 layers (delta vs no FP8)"]  # fmt: skip
     rows = []
     for s in data["summary"]:
         d = s["delta_points"]
         delta = "-" if d is None else f"{d['mean']:+.2f} [{d['min']:+.2f}, {d['max']:+.2f}] ({d['std']:.2f})"
         passed = "-" if s["passed"] is None else ("pass" if s["passed"] else "FAIL")
         scale = "-" if s["final_scale"] is None else f"{s['final_scale']:g}"
+        fp8 = "-" if not s.get("fp8_layers") else str(s["fp8_layers"])
+        if s.get("vs_without_fp8"):
+            fp8 += f" ({s['vs_without_fp8']['mean']:+.2f} vs {s['vs_without_fp8']['policy']})"
         rows.append([s["backend"], s["policy"], f"{100 * s['val_accuracy']:.2f}", f"{s['val_loss']:.4f}", delta,
-                     passed, f"{s['skipped_steps']:g}", scale])  # fmt: skip
+                     passed, f"{s['skipped_steps']:g}", scale, fp8])  # fmt: skip
     return head, rows
 
 
@@ -89,7 +92,8 @@ def markdown(data: dict[str, Any]) -> str:
         f"- {_settings_line(data)}", *[f"- {line}" for line in _backends(data)], "",
         "Each policy trains from the same initialization and batch order as float32 (per seed). The delta is "
         f"the validation accuracy minus float32's, in percentage points, paired by seed; a policy passes when "
-        f"the mean delta is within {crit:g} points.", "",
+        f"the mean delta is within {crit:g} points. FP8 layers: the layers that ran FP8 GEMMs (CPU: "
+        "emulated), with the accuracy delta to the same policy without FP8 where it ran too.", "",
         _md_table(*_table(data)), "",
         "![loss curves and loss-scale timeline](compare.png)", "",
     ])  # fmt: skip

@@ -186,6 +186,7 @@ class Runner:
         self.loss_fn = loss_fn
         self.params0 = params
         self.steps = 0
+        self.fp8 = False  # set for an FP8 policy under mpx: measure() counts its FP8 dots
 
     def step(self) -> None:
         self.state = self.jitted(*self.state, *self.data)
@@ -229,7 +230,20 @@ class Runner:
             "traces_per_step": retraces / max(1, self.steps - steps_before),
             "host_transfers_per_step": transfers,
             "host_transfers_note": transfer_note,
+            **(self._fp8_figures() if self.fp8 else {}),
         }
+
+    def _fp8_figures(self) -> dict[str, Any]:
+        """``fp8_layers`` (the FP8 dots autocast ran), ``fp8_gemm`` and ``fp8_note`` (``CPU emulation`` off a GPU)."""
+        text = str(jax.make_jaxpr(self.loss_fn)(self.params0, *self.data))
+        gpu = jax.default_backend() == "gpu"
+        note = (
+            "FP8 dot_general on the GPU (XLA)"
+            if gpu
+            else f"CPU emulation: XLA:{jax.default_backend().upper()} runs the float8 dot_general without FP8 "
+            "hardware; the time is the emulation's, not an FP8 device's"
+        )
+        return {"fp8_layers": text.count("name=_fp8_dg"), "fp8_gemm": ["dot_general"], "fp8_note": note}
 
 
 def configs(model: str, size: str, policies: list[str], device: str, slow: dict[str, str]) -> list[Config]:
@@ -253,7 +267,12 @@ def configs(model: str, size: str, policies: list[str], device: str, slow: dict[
             stx = mpx_jax.with_loss_scaling(tx, config)
             return Runner(_mpx_step(lf, stx), p0, stx.init(p0), jnp.float32(1.0), data, lf)
 
-        return build_runner
+        def build_and_mark() -> Runner:
+            runner = build_runner()
+            runner.fp8 = mode.startswith("mpx") and policy is not None and policy.fp8 is not None
+            return runner
+
+        return build_and_mark
 
     return plan(policies, slow, make)
 

@@ -19,6 +19,7 @@ import mpx_torch
 from mpx_bench import models
 from mpx_bench.harness import Config
 from mpx_bench.workers.common import CPU_PROBE_N, activation_profile, plan, timed_probe
+from mpx_torch import float8
 
 _DT = {
     "float32": torch.float32,
@@ -189,6 +190,8 @@ class Runner:
             scaler,
             device,
         )
+        # FP8 Linears (a policy with fp8=): their state commits after each step, as in training
+        self.fp8 = [m for _, m in float8.float8_modules(net)]
         fused = device.type == "cuda"
         self.opt = torch.optim.AdamW(net.parameters(), lr=1e-4, **({"fused": True} if fused else {}))
         # --compile: the whole step under torch.compile (inductor); dynamo's counters, read around each
@@ -237,6 +240,23 @@ class Runner:
         else:
             loss.backward()
             self.opt.step()
+        if self.fp8:
+            float8.commit(self.net, self.scaler if self.scaler is not None else False)
+
+    def fp8_figures(self) -> dict[str, Any]:
+        """``fp8_layers``, ``fp8_gemm`` (the GEMMs they run) and ``fp8_note`` (``CPU emulation`` unless every
+        FP8 GEMM runs ``torch._scaled_mm`` on a CUDA device); empty without FP8 layers."""
+        if not self.fp8:
+            return {}
+        gemms = sorted({m.fp8_gemm for m in self.fp8})
+        hardware = gemms == ["scaled_mm"] and self.device.type == "cuda"
+        note = (
+            f"FP8 GEMMs on {torch.cuda.get_device_name(self.device)} (torch._scaled_mm)"
+            if hardware
+            else "CPU emulation: FP8 quantize-dequantize around float32 GEMMs (no FP8 hardware here); the time "
+            "is the emulation's, not an FP8 device's"
+        )
+        return {"fp8_layers": len(self.fp8), "fp8_gemm": gemms, "fp8_note": note}
 
     def measure(self) -> dict[str, Any]:
         saved: dict[tuple[int, int], int] = {}
@@ -265,6 +285,7 @@ class Runner:
             "saved_weight_copy_bytes": sum(v for k, v in weights.items() if k[0] not in self._param_ptrs()),
             "traces_per_step": 0,
             "traces_note": "eager: nothing is traced or compiled",
+            **self.fp8_figures(),
         }
         if self.compiled is not None:
             stats = self.compile_stats

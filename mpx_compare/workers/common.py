@@ -40,8 +40,11 @@ def batches(n: int, settings: Settings, seed: int) -> Iterator[np.ndarray]:
 
 
 def record(backend: str, policy: str, seed: int, losses: list[float], scales: list[float], skipped: int,
-           val_loss: float, val_accuracy: float, seconds: float, history: Any = None) -> dict[str, Any]:  # fmt: skip
+           val_loss: float, val_accuracy: float, seconds: float, history: Any = None,
+           fp8_layers: int = 0) -> dict[str, Any]:  # fmt: skip
     """One run as ``compare.json`` stores it (losses and scales per optimizer step; accuracy in [0, 1]).
+
+    ``fp8_layers``: how many layers ran FP8 GEMMs (0 without ``fp8=``).
 
     ``history``: the scaler's :class:`mpx.ScalerHistory` (one entry per step): when it covers every step,
     ``scales`` and ``skipped`` come from it and it is stored too (``history``, its ``to_dict()``).
@@ -54,7 +57,8 @@ def record(backend: str, policy: str, seed: int, losses: list[float], scales: li
             "losses": [float(x) if math.isfinite(x) else None for x in losses],
             "scales": [float(s) for s in scales], "skipped_steps": int(skipped),
             "final_scale": float(scales[-1]) if scales else None, "val_loss": float(val_loss),
-            "val_accuracy": float(val_accuracy), "seconds": round(seconds, 3)}  # fmt: skip
+            "val_accuracy": float(val_accuracy), "fp8_layers": int(fp8_layers),
+            "seconds": round(seconds, 3)}  # fmt: skip
 
 
 def run_all(train: Callable[[str, int], dict[str, Any]], policies: list[str], seeds: list[int],

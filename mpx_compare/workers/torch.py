@@ -14,6 +14,7 @@ from torch import nn
 import mpx
 import mpx_torch
 from mpx_compare.workers.common import Settings, batches, record, run_all
+from mpx_torch import float8
 
 __all__ = ["build", "compare", "info"]
 
@@ -60,6 +61,10 @@ class _CNN(nn.Module):
         return self.head(x.mean(dim=(2, 3)))
 
 
+def _uses_fp8(policy: mpx.Policy) -> bool:
+    return policy.fp8 is not None or any(rule.policy.fp8 is not None for rule in policy.overrides)
+
+
 def build(model: str, classes: int) -> Callable[[int], nn.Module]:
     """``make_model(seed)`` for a built-in model (mlp, cnn, transformer) on ``(n, 8, 8)`` inputs."""
 
@@ -80,8 +85,9 @@ def _train(make_model: Callable[[int], nn.Module], data: Sequence[np.ndarray], p
     device = torch.device(settings.device)
     p = mpx.get_policy(policy)
     model = make_model(seed).to(device)
-    if p.lowers_precision:
-        model = mpx_torch.prepare(model, p)
+    if p.lowers_precision or _uses_fp8(p):
+        model = mpx_torch.prepare(model, p)  # under fp8=: the policy's nn.Linear modules run FP8 GEMMs
+    fp8_layers = sum(1 for _ in float8.float8_modules(model))
     opt = torch.optim.Adam(model.parameters(), lr=settings.lr)
     scaler = mpx_torch.GradScaler(mpx.ScalerConfig.for_policy(p))
     scaler.record_history()  # on device; read once at the end
@@ -95,6 +101,8 @@ def _train(make_model: Callable[[int], nn.Module], data: Sequence[np.ndarray], p
         scaler.scale(loss).backward()
         scaler.step(opt)
         scaler.update()
+        if fp8_layers:
+            float8.commit(model, scaler)  # nothing on a skipped step
         losses.append(float(loss.detach()))
         scales.append(float(scaler.get_scale()) if scaler.config.kind != "none" else 1.0)
     model.eval()
@@ -103,7 +111,7 @@ def _train(make_model: Callable[[int], nn.Module], data: Sequence[np.ndarray], p
         val_loss = float(F.cross_entropy(logits, yv))
         acc = float((logits.argmax(dim=1) == yv).float().mean())
     return record("torch", policy, seed, losses, scales, scaler.state.skipped_steps, val_loss, acc,
-                  time.perf_counter() - t0, history=scaler.history())  # fmt: skip
+                  time.perf_counter() - t0, history=scaler.history(), fp8_layers=fp8_layers)  # fmt: skip
 
 
 def compare(make_model: Callable[[int], nn.Module], data: Sequence[np.ndarray], *, policies: Sequence[str],
@@ -116,6 +124,11 @@ def compare(make_model: Callable[[int], nn.Module], data: Sequence[np.ndarray], 
     (numpy; integer class labels, cross-entropy loss).  Each run: Adam,
     ``mpx_torch.prepare`` for a lowering policy, ``mpx_torch.GradScaler`` with
     ``ScalerConfig.for_policy``; the batch order depends on the seed only.
+    Under a policy with ``fp8=``, ``prepare`` turns the policy's ``nn.Linear``
+    modules into FP8 GEMMs (``mpx_torch.float8``) and their state commits after
+    each step (nothing on a skipped one); ``fp8_layers`` in each run counts them.
     """
     settings = settings or Settings()
-    return run_all(lambda p, s: _train(make_model, data, p, s, settings), list(policies), list(seeds), progress)
+    return run_all(
+        lambda p, s: _train(make_model, data, p, s, settings), list(policies), list(seeds), progress
+    )

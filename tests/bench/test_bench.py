@@ -260,3 +260,26 @@ def test_noise_warning_when_the_pairs_spread_wider_than_the_difference():
         for c in comparisons("torch", "mlp", _records([10.0] * 8, [20, 21, 19, 20, 22, 18, 20, 20]))
     }
     assert far["mpx/native"]["warning"] is None  # 2x slower is clear despite the spread
+
+
+@pytest.mark.skipif("torch" not in INSTALLED, reason="needs torch")
+def test_bench_reports_fp8_step_time_and_memory_labelled_cpu_emulation(tmp_path):
+    proc = _run("bench", "--backend", "torch", "--model", "transformer", "--size", "tiny", "--steps", "2",
+                "--warmup", "1", "--budget", "300", "--policy", "mixed_bfloat16_fp8", "--out", str(tmp_path),
+                "--quiet")  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    data = json.loads((tmp_path / "bench.json").read_text())
+    configs = {c["id"]: c for c in data["configs"]}
+    fp8 = configs["mixed_bfloat16_fp8/mpx"]
+    assert fp8["status"] == "ok" and fp8["step_ms"]["n"] == 2 and _is_num(fp8["activation_bytes"])
+    # the tiny transformer's qkv, out, two MLP and head Linears per block; emulated on a CPU
+    assert fp8["fp8_layers"] == 5 and fp8["fp8_gemm"] == ["emulate"]
+    assert fp8["fp8_note"].startswith("CPU emulation")
+    assert configs["mixed_bfloat16_fp8/native"].get("fp8_layers") is None  # torch.autocast: no FP8
+    assert "FP8 (5 layers, CPU emulation)" in proc.stdout
+    assert "CPU emulation" in (tmp_path / "bench.md").read_text()
+    # FP8 against native AMP without FP8 is not the work mpx's targets are about
+    rows = [
+        c for c in data["comparisons"] if c["policy"] == "mixed_bfloat16_fp8" and c["name"] == "mpx/native"
+    ]
+    assert rows and rows[0]["target"] is None and rows[0]["meets_target"] is None and rows[0]["target_note"]

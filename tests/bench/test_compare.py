@@ -95,3 +95,44 @@ def test_summarize_pairs_seeds_and_applies_the_criterion():
     bf16 = rows["mixed_bfloat16"]
     assert bf16["delta_points"]["mean"] == pytest.approx(-1.5) and bf16["passed"] is False
     assert summarize(runs, criterion_points=2.0)[2]["passed"] is True
+
+
+def test_summarize_compares_an_fp8_policy_with_the_same_policy_without_fp8():
+    runs = [
+        _run("float32", 0, 0.90),
+        _run("mixed_bfloat16", 0, 0.88),
+        {**_run("mixed_bfloat16_fp8", 0, 0.87), "fp8_layers": 4},
+    ]
+    rows = {s["policy"]: s for s in summarize(runs, criterion_points=0.5)}
+    fp8 = rows["mixed_bfloat16_fp8"]
+    assert fp8["delta_points"]["mean"] == pytest.approx(-3.0) and fp8["passed"] is False
+    assert fp8["vs_without_fp8"]["policy"] == "mixed_bfloat16"
+    assert fp8["vs_without_fp8"]["mean"] == pytest.approx(-1.0) and fp8["fp8_layers"] == 4
+    assert rows["mixed_bfloat16"]["vs_without_fp8"] is None and rows["mixed_bfloat16"]["fp8_layers"] == 0
+    # without the policy minus FP8 in the run, there is nothing to pair with
+    alone = {s["policy"]: s for s in summarize([runs[0], runs[2]])}
+    assert alone["mixed_bfloat16_fp8"]["vs_without_fp8"] is None
+
+
+@pytest.mark.skipif(not HAS_SKLEARN, reason="needs scikit-learn")
+def test_compare_runs_fp8_policies_on_the_transformer_task(tmp_path):
+    backends = [b for b in ("torch", "jax") if b in INSTALLED]
+    if not backends:
+        pytest.skip("needs torch or jax")
+    args = [a for b in backends for a in ("--backend", b)]
+    proc = _mpx("compare", *args, "--model", "transformer", "--seeds", "1", "--epochs", "1", "--max-steps", "2",
+                "--policy", "mixed_bfloat16_fp8", "--policy", "mixed_bfloat16_fp8_current", "--out", str(tmp_path))  # fmt: skip
+    assert proc.returncode in (0, 1), proc.stderr[-3000:]
+    data = json.loads((tmp_path / "compare.json").read_text())
+    assert data["settings"]["policies"] == ["mixed_bfloat16_fp8", "mixed_bfloat16_fp8_current"]
+    for backend in backends:
+        assert data["backends"][backend]["status"] == "ok", data["backends"][backend]
+        runs = {r["policy"]: r for r in data["runs"] if r["backend"] == backend}
+        assert runs["float32"]["fp8_layers"] == 0
+        # the transformer's embed, two MLP and head layers (the attention keeps its own projections)
+        assert (
+            runs["mixed_bfloat16_fp8"]["fp8_layers"] == 4
+            and runs["mixed_bfloat16_fp8_current"]["fp8_layers"] == 4
+        )
+        assert all(r["steps"] == 2 and None not in r["losses"] for r in runs.values())
+    assert "FP8 layers" in (tmp_path / "compare.md").read_text()
