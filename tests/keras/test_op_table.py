@@ -147,6 +147,40 @@ def test_a_nested_float32_scope_forces_float32():
         assert A.holds() == 0
 
 
+class Float32Island(keras.layers.Layer):
+    """A custom layer that computes a block of its call in a float32 scope."""
+
+    def call(self, x):
+        with mpx_keras.autocast("float32"):
+            SEEN["island_matmul"] = dtype(keras.ops.matmul(x, keras.ops.transpose(x)).dtype)
+        SEEN["after_island_matmul"] = dtype(keras.ops.matmul(x, keras.ops.transpose(x)).dtype)
+        return x
+
+
+@pytest.mark.parametrize("spec", MIXED)
+def test_a_float32_scope_inside_a_layer_call_forces_float32(spec):
+    half = mpx.get_policy(spec).compute_dtype
+    with mpx_keras.policy_scope(spec):
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(3), Float32Island()])
+    mpx_keras.apply_policy(model, spec)
+    SEEN.clear()
+    model(np.ones((2, 3), "float32"))
+    assert SEEN == {"island_matmul": "float32", "after_island_matmul": half}
+    assert A.holds() == 0
+
+
+def test_registering_targets_while_the_dispatch_is_installed_is_refused():
+    with mpx_keras.autocast("mixed_float16"):
+        with pytest.raises(
+            mpx.MPXError, match="register_targets\\(\\) while the op table's dispatch is installed"
+        ):
+            A.register_targets(lambda: [])
+        assert keras.backend.standardize_dtype(
+            keras.ops.softmax(keras.ops.ones((2, 2), "float16")).dtype
+        ) == ("float32")
+    assert A.holds() == 0
+
+
 def test_op_table_argument_of_autocast_policy_scope_and_apply_policy():
     table = mpx.OP_TABLE.replace(softmax="lower", matmul="float32")
     h, w = keras.ops.ones((2, 3), "float16"), keras.ops.ones((3, 2), "float16")
