@@ -21,7 +21,7 @@ through :mod:`mpx_tf._compat` only, which raises
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import keras
@@ -30,6 +30,7 @@ import tensorflow as tf
 import mpx
 from mpx.dtypes import canonical_dtype
 from mpx.errors import MPXError, UnsupportedTypeError
+from mpx_keras.accumulation import Window as KerasWindow
 from mpx_tf import _compat
 from mpx_tf._compat import optimizer_member as _member
 
@@ -108,33 +109,23 @@ def set_reduce_dtype(optimizer: keras.optimizers.Optimizer, reduce_dtype: Any) -
     optimizer.__dict__[_ALL_REDUCE] = all_reduce_sum_in  # an instance hook, untracked
 
 
-class Window:
-    """The accumulation window of an inner optimizer with ``gradient_accumulation_steps=k`` (k >= 2)."""
+class Window(KerasWindow):
+    """:class:`mpx_keras.accumulation.Window` with ``tf.IndexedSlices`` gradients and ``tf.distribute``'s
+    cross-replica branches (a window of an inner optimizer with ``gradient_accumulation_steps=k``)."""
 
-    def __init__(self, inner: keras.optimizers.Optimizer) -> None:
+    def __init__(self, inner: keras.optimizers.Optimizer, owner: str = "mpx_tf.LossScaleOptimizer") -> None:
         _compat.check_optimizer(inner)
-        self.inner = inner
-        self.steps = mpx.check_accumulation_steps(
-            inner.gradient_accumulation_steps, "gradient_accumulation_steps"
-        )
-        for arg, default in (("use_ema", False), ("loss_scale_factor", None)):
-            if getattr(inner, arg, default) != default:
-                raise MPXError(
-                    f"{arg}: mpx_tf.LossScaleOptimizer's accumulation window does not support `{arg}` on an inner "
-                    f"optimizer with gradient_accumulation_steps; leave `{arg}` at {default!r}."
-                )
-
-    def is_last(self) -> Any:
-        """A bool tensor: the coming micro-batch ends the window (read from the inner ``_iterations``)."""
-        return tf.equal((_member(self.inner, "_iterations") + 1) % self.steps, 0)
+        super().__init__(inner, owner)
 
     def finite(self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None) -> Any:
         """A bool tensor on one replica: the window's accumulated gradients plus ``grads`` all finite."""
+        if not any(isinstance(g, tf.IndexedSlices) for g in grads):
+            return super().finite(grads, self._variables(trainable_variables))
         flags = []
         for g, v in zip(grads, self._variables(trainable_variables), strict=True):
             if g is None:
                 continue
-            acc = self._accumulator(v)
+            acc = self.accumulator(v)
             total = tf.convert_to_tensor(g.values if isinstance(g, tf.IndexedSlices) else g)
             if not isinstance(g, tf.IndexedSlices):
                 total = total + tf.cast(acc.value, total.dtype)
@@ -142,17 +133,6 @@ class Window:
                 flags.append(tf.reduce_all(tf.math.is_finite(acc.value)))
             flags.append(tf.reduce_all(tf.math.is_finite(total)))
         return tf.reduce_all(tf.stack(flags)) if flags else tf.constant(True)
-
-    def skip(self) -> None:
-        """Discard the window: accumulators to zero, the inner ``_iterations`` back to the window's start.
-
-        The window's earlier micro-batches advanced ``_iterations`` by k - 1 and
-        changed nothing else, so afterwards every inner variable is bit-identical
-        to before the window, and ``iterations`` (``_iterations // k``) counts
-        applied optimizer steps only, as without accumulation.
-        """
-        self.reset()
-        _member(self.inner, "_iterations").assign_sub(self.steps - 1)
 
     # -- the window under a strategy's merge_call (cross-replica context) ---------------------
     # Keras's own accumulation runs ops.cond(is_update_step, update, accumulate) in replica
@@ -164,7 +144,7 @@ class Window:
         for g, v in zip(grads, self._variables(trainable_variables), strict=True):
             if g is None:
                 continue
-            acc = self._accumulator(v)
+            acc = self.accumulator(v)
             distribution.extended.update(
                 acc.value, lambda a, g: a.assign_add(tf.cast(g, a.dtype)), args=(g,), group=False
             )
@@ -183,7 +163,7 @@ class Window:
         def replica_update(grads: Any) -> None:
             pairs = [(g, v) for g, v in zip(grads, variables, strict=True) if g is not None]
             total = [
-                (tf.convert_to_tensor(g) + tf.cast(self._accumulator(v).value, g.dtype)) / self.steps
+                (tf.convert_to_tensor(g) + tf.cast(self.accumulator(v).value, g.dtype)) / self.steps
                 for g, v in pairs
             ]
             used = [v for _, v in pairs]
@@ -198,26 +178,7 @@ class Window:
                 v.assign(v.constraint(v))
         _member(inner, "_iterations").assign_add(1)
 
-    def reset(self) -> None:
-        for acc in _member(self.inner, "_accumulated_gradients"):
-            if acc is not None:
-                acc.assign(tf.zeros(acc.shape, acc.dtype))
-
-    def _accumulator(self, variable: Any) -> Any:
-        """The inner optimizer's accumulator of ``variable``'s gradients."""
-        index = _member(self.inner, "_get_variable_index")(variable)
-        return _member(self.inner, "_accumulated_gradients")[index]
-
     def _variables(self, trainable_variables: Any) -> list[Any]:
         if trainable_variables is not None:
             return list(trainable_variables)
         return list(_member(self.inner, "_trainable_variables"))
-
-
-def window_step(
-    window: Window,
-    micro_fn: Callable[[], Any],
-    last_fn: Callable[[], Any],
-) -> None:
-    """``last_fn`` on the window's last micro-batch, ``micro_fn`` (accumulate only) on the others."""
-    keras.ops.cond(window.is_last(), last_fn, micro_fn)
