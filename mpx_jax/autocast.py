@@ -122,7 +122,8 @@ the policy names.  Delayed scaling keeps state that must commit only on applied 
 it lives in the Flax layers, :class:`mpx_jax.float8_flax.Float8Linear` (NNX) and
 :class:`mpx_jax.float8_linen.Float8Dense` (linen), which carry it explicitly.  A policy whose
 compute dtype is float32 (``float32,fp8=hybrid,fp8_scaling=current``) runs FP8 dots in a float32
-program.
+program.  Under ``jax.vmap`` each mapped slice is quantized with its own amax, as ``fn`` applied to
+that slice alone.
 
 The result composes with ``jit``, ``grad`` and ``vmap`` in either order.
 Outputs are not cast to the output dtype: do that

@@ -265,3 +265,13 @@ def test_a_small_mlp_trains_with_loss_scaling_and_the_loss_falls():
     assert all(np.isfinite(losses))
     assert losses[-1] < 0.5 * losses[0], losses
     assert step._cache_size() == 1
+
+
+def test_under_vmap_each_slice_is_quantized_with_its_own_amax():
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((3, 4, 8)).astype(np.float32)
+    x[1] *= 100.0  # a slice whose amax differs by far
+    w = rng.standard_normal((8, 2)).astype(np.float32)
+    fn = autocast(lambda x, w: x @ w, F32_FP8)
+    mapped = np.asarray(jax.vmap(fn, in_axes=(0, None))(x, w))
+    np.testing.assert_array_equal(mapped, np.stack([np.asarray(fn(x[i], w)) for i in range(3)]))
