@@ -258,7 +258,7 @@ def numeric_cases() -> list[Case]:
 PORTABILITY_CONFIG = {"init_scale": 2.0**12, "growth_interval": 3, "min_scale": 0.5, "hysteresis": 2}
 PORTABILITY_PREFIX = [T, F, F, T, T]
 PORTABILITY_REST = [T, F, T, T, T, F, F, T]
-SOURCES = ("core", "torch", "tf", "jax")
+SOURCES = ("core", "torch", "tf", "jax", "keras-jax", "keras-torch")  # the core and every backend that saves
 
 
 def portability_cases() -> list[Case]:
