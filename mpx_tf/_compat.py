@@ -22,43 +22,11 @@ import keras
 import tensorflow as tf
 
 from mpx.versions import require_version
-from mpx_keras._compat import (
-    OPTIMIZER_METHODS,
-    OPTIMIZER_STATE,
-    REGISTERED_NAMES_TO_OBJS,
-    _attribute,
-    _module_attribute,
-    check_optimizer,
-    child_layers,
-    dtype_policy_parse_name,
-    get_keras_mask,
-    is_functional,
-    keras_history_operation,
-    missing,
-    name_scope_stack,
-    optimizer_member,
-    set_dtype_policy_parse_name,
-    set_keras_mask,
-)
+from mpx_keras import _compat as _keras_compat
+from mpx_keras._compat import *  # noqa: F403  (Keras's internals: one list, mpx_keras._compat.__all__)
+from mpx_keras._compat import _attribute, _module_attribute
 
-__all__ = [
-    "OPTIMIZER_METHODS",
-    "OPTIMIZER_STATE",
-    "REGISTERED_NAMES_TO_OBJS",
-    "check_optimizer",
-    "child_layers",
-    "dtype_policy_parse_name",
-    "get_keras_mask",
-    "is_functional",
-    "keras_history_operation",
-    "missing",
-    "name_scope_stack",
-    "optimizer_member",
-    "set_dtype_policy_parse_name",
-    "set_keras_mask",
-    "strategy_supports_no_merge_call",
-    "summary_pb2",
-]
+__all__ = [*_keras_compat.__all__, "strategy_supports_no_merge_call", "summary_pb2"]
 
 require_version("tensorflow", tf.__version__)
 require_version("keras", keras.__version__)

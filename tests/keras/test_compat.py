@@ -87,3 +87,24 @@ def test_the_dtype_policy_parser_and_layer_internals(monkeypatch):
     monkeypatch.delattr(keras.layers.Layer, "_flatten_layers")
     with pytest.raises(mpx.FrameworkVersionError, match=r"_flatten_layers, which mpx uses for walking"):
         mpx_keras.apply_policy(keras.Sequential([keras.Input((2,)), keras.layers.Dense(2)]), "mixed_bfloat16")
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="XLA's host-call limit is TensorFlow's")
+def test_the_xla_context_test_is_an_internal(monkeypatch):
+    control_flow_util = importlib.import_module("tensorflow.python.ops.control_flow_util")
+    assert _compat.in_xla_context() is False
+    monkeypatch.delattr(control_flow_util, "GraphOrParentsInXlaContext")
+    with pytest.raises(
+        mpx.FrameworkVersionError, match=r"GraphOrParentsInXlaContext, which mpx uses for the stuck"
+    ):
+        _compat.in_xla_context()
+
+
+def test_the_accumulation_window_internals_fail_at_construction(monkeypatch):
+    name = "_get_variable_index"
+    for owner in [c for c in type(keras.optimizers.SGD()).__mro__ if name in vars(c)]:
+        monkeypatch.delattr(owner, name)
+    with pytest.raises(
+        mpx.FrameworkVersionError, match=rf"Optimizer\.{name}, which mpx uses for the accumulation"
+    ):
+        mpx_keras.LossScaleOptimizer(keras.optimizers.SGD(0.1, gradient_accumulation_steps=2))

@@ -42,11 +42,16 @@ def scaled_grads(opt, w, factor):
 
 
 class KerasAdapter:
+    """mpx.testing's ScalerAdapter for a Keras LossScaleOptimizer class (tests/tf/test_surface.py reuses it
+    with mpx_tf's)."""
+
+    optimizer_class = mpx_keras.LossScaleOptimizer
+
     def __init__(self):
         self.variables = {}  # id(optimizer) -> the variable it trains
 
     def make(self, config):
-        opt = mpx_keras.LossScaleOptimizer(keras.optimizers.SGD(0.1), config)
+        opt = self.optimizer_class(keras.optimizers.SGD(0.1), config)
         w = self.variables[id(opt)] = keras.Variable(np.ones(3, np.float32), name="w")
         opt.build([w])
         return opt

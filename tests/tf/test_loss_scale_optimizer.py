@@ -577,3 +577,16 @@ def test_keras_ops_scale_product_matches_core(init, gf, bf, lo, hi):
             np.float32(backed.numpy()).tobytes()
             == np.float32(mpx.scaler_update(config, state, False).scale).tobytes()
         )
+
+
+def test_variables_saved_when_the_counters_were_int64_still_load():
+    """Files saved before mpx_tf's counters became int32 (mpx_keras's, on every backend) load their values."""
+    opt = mpx_tf.LossScaleOptimizer(keras.optimizers.SGD(0.1))
+    w = keras.Variable(np.ones(2, np.float32))
+    opt.build([w])
+    old = {id(opt.dynamic_scale): np.float32(256.0), id(opt.step_counter): np.int64(7),
+           id(opt.consecutive_nonfinite): np.int64(1), id(opt.total_steps): np.int64(40),
+           id(opt.skipped_steps): np.int64(3)}  # fmt: skip
+    opt.load_own_variables({str(i): old.get(id(v), v.numpy()) for i, v in enumerate(opt.variables)})
+    assert opt.state == mpx.ScalerState(256.0, 7, 1, 40, 3)
+    assert opt.step_counter.dtype == opt.total_steps.dtype == "int32"

@@ -6,8 +6,10 @@ gradients from a tape, ``apply`` with the scaled gradients.
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import keras
-import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -15,38 +17,17 @@ import mpx
 import mpx_tf
 from mpx.testing import SURFACE_CHECKS
 
+_spec = importlib.util.spec_from_file_location(
+    "keras_test_surface", Path(__file__).parents[1] / "keras" / "test_surface.py"
+)
+_keras_surface = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_keras_surface)
 
-class KerasAdapter:
-    def __init__(self):
-        self.variables = {}  # id(optimizer) -> the variable it trains
 
-    def make(self, config):
-        opt = mpx_tf.LossScaleOptimizer(keras.optimizers.SGD(0.1), config)
-        w = self.variables[id(opt)] = keras.Variable(np.ones(3, np.float32), name="w")
-        opt.build([w])
-        return opt
+class KerasAdapter(_keras_surface.KerasAdapter):
+    """tests/keras's adapter (one source), for mpx_tf's LossScaleOptimizer."""
 
-    def step(self, scaler, finite):
-        w = self.variables[id(scaler)]
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_sum(w * (1.0 if finite else float("inf")))
-            scaled = scaler.scale(loss)
-        scaler.apply(tape.gradient(scaled, [w]), [w])
-        return scaler
-
-    def multiply(self, scaler, value):
-        return float(scaler.scale(tf.constant(value, tf.float32)))
-
-    def load(self, scaler, data):
-        assert scaler.load_state_dict(data) is None  # a mutable scaler loads in place
-        return scaler
-
-    def history(self, config, flags):
-        scaler = self.make(config)
-        scaler.record_history()
-        for finite in flags:
-            self.step(scaler, finite)
-        return scaler.history()
+    optimizer_class = mpx_tf.LossScaleOptimizer
 
 
 @pytest.mark.parametrize("check", SURFACE_CHECKS.values(), ids=list(SURFACE_CHECKS))
