@@ -7,8 +7,9 @@ that belongs to no installed library: not a module of :data:`LIBRARY_PACKAGES`,
 not a file under a ``site-packages`` / ``dist-packages`` directory or the
 standard library, and not mpx's own packages.  Code typed in (``<stdin>``,
 doctests, notebooks) is user code.  Each module's kind is decided once and
-cached: the check is one frame lookup per call (about 0.2 us), plus the tracing
-frames inside ``tf.function``.
+cached: the check is one frame lookup per call, plus the tracing frames inside
+``tf.function`` (``from_user_code(0)``: 0.33 us per call on each Keras backend,
+``timeit`` of 2000 calls, best of 5, on a loaded 2-core CPU).
 
 The rule is the same on every Keras backend: a JAX trace (``jax.jit``, the jax
 trainer's step) runs the user's Python as written, so its frames are the
