@@ -29,9 +29,19 @@ BACKENDS = ("tensorflow", "jax", "torch")
 
 @pytest.fixture(autouse=True)
 def _float32_global_policy():
-    """Every test starts and ends with Keras's default float32 global policy."""
-    keras.config.set_dtype_policy("float32")
+    """Every test starts and ends with Keras's default float32 global policy (and mpx's, when loaded).
+
+    Resetting mpx's global policy too gives back the op table's hold a mixed
+    ``set_global_policy`` took, so no test leaves the dispatch installed for the next.
+    """
+    _reset_global_policy()
     yield
+    _reset_global_policy()
+
+
+def _reset_global_policy():
+    if "mpx_keras" in sys.modules:
+        sys.modules["mpx_keras"].set_global_policy("float32")
     keras.config.set_dtype_policy("float32")
 
 
