@@ -36,7 +36,9 @@ __all__ = [
     "contraction",
     "fp8_contract",
     "quantize",
+    "record",
     "update",
+    "window",
 ]
 
 ops = keras.ops
@@ -183,13 +185,23 @@ def update(recipe: Float8Recipe, role: str, scale: Any, history: Any, amax_value
     a = ops.cast(ops.convert_to_tensor(amax_value, "float32"), "float32")
     if recipe.scaling == "current":
         return compute_scale(recipe, a, fmt, scale), history
+    new_history = record(history, a)
+    return compute_scale(recipe, window(recipe, new_history), fmt, scale), new_history
+
+
+def record(history: Any, amax_value: Any) -> Any:
+    """``history`` with a finite ``amax_value`` pushed at the front (the oldest dropped); a non-finite one
+    is not recorded."""
+    a = ops.cast(ops.convert_to_tensor(amax_value, "float32"), "float32")
     pushed = ops.concatenate([ops.reshape(a, (1,)), history[:-1]], axis=0)
-    new_history = ops.where(_finite(a), pushed, history)
+    return ops.where(_finite(a), pushed, history)
+
+
+def window(recipe: Float8Recipe, history: Any) -> Any:
+    """The amax delayed scaling computes the scale from: the history's first (``most_recent``) or its max."""
     if recipe.amax_compute == "most_recent":
-        window = new_history[0]
-    else:  # the history holds finite amaxes >= 0: their order is their bits' order
-        window = _float(ops.max(_bits(new_history)))
-    return compute_scale(recipe, window, fmt, scale), new_history
+        return history[0]
+    return _float(ops.max(_bits(history)))  # finite amaxes >= 0: their order is their bits' order
 
 
 # -- the FP8 GEMM ---------------------------------------------------------------------------------------
@@ -244,13 +256,22 @@ def fp8_contract(
     """``einsum(x, kernel)`` as an FP8 GEMM (a float32 result), differentiable, updating its FP8 state.
 
     ``state``: ``[input scale, input history, weight scale, weight history, grad scale, grad history]``
-    (the histories None under current scaling) as tensors read from the layer's variables.  The
-    forward quantizes ``x`` and ``kernel`` (e4m3) with their stored scales (current scaling: their own
-    amaxes'), contracts the FP8 values in float32 and multiplies by both inverse scales; a non-finite
-    operand makes the result NaN.  The backward quantizes the output gradient (e5m2 under ``hybrid``),
-    computes dgrad and wgrad from the quantized operands the same way, and returns, as the gradient of
-    each state tensor, its value after :func:`update` with this step's amax (``training`` False: its
-    value unchanged), which the optimizer writes (``overwrite_with_gradient``).
+    (the histories None under current scaling) as tensors read from the layer's variables.
+
+    Delayed scaling stores, per tensor, the history of the amaxes of steps <= t-1 and the scale step
+    t-1 quantized with; step t quantizes with ``compute_scale(window(history), previous=that scale)``,
+    which is the scale :func:`mpx.float8.float8_update` computed at the end of step t-1 (its
+    keep-previous rule needs the older one).  The "gradients" the optimizer writes are the history with
+    this step's amax recorded and the scale this step used.  Stored so, an accumulation window (Keras's
+    inner ``gradient_accumulation_steps`` takes the MAX of overwrite-with-gradient values over its
+    micro-batches) records the MAX of the micro-batches' amaxes once, and every micro-batch writes the
+    same scale: exactly one ``float8_update`` of the window.  Current scaling quantizes each tensor
+    with its own amax's scale and records it.
+
+    The forward contracts the quantized ``x`` and ``kernel`` (e4m3) in float32 and multiplies by both
+    inverse scales; a non-finite operand makes the result NaN.  The backward quantizes the output
+    gradient (e5m2 under ``hybrid``) and computes dgrad and wgrad from the quantized operands the same
+    way.  ``training`` False: the state's "gradients" are its values unchanged.
     """
     forward_eq, dgrad_eq, wgrad_eq = equations
     current = recipe.scaling == "current"
@@ -271,8 +292,13 @@ def fp8_contract(
         ax, aw = amax(xv), amax(kv)
         if current:
             sx, sw = compute_scale(recipe, ax, fi), compute_scale(recipe, aw, fw)
-        else:
-            sx, sw = tensors[0][0], tensors[1][0]
+            used = [None, None, None]
+        else:  # the scales float8_update gave at the end of the last step (see the docstring)
+            used = [
+                compute_scale(recipe, window(recipe, h), fmt, s)
+                for (s, h), fmt in zip(tensors, (fi, fw, fg), strict=True)
+            ]
+            sx, sw = used[0], used[1]
         qx = ops.cast(quantize(xv, sx, fi), "float32")
         qw = ops.cast(quantize(kv, sw, fw), "float32")
         inv_x, inv_w = ops.divide(1.0, sx), ops.divide(1.0, sw)
@@ -283,16 +309,20 @@ def fp8_contract(
             if upstream is None:
                 (upstream,) = args
             ag = amax(upstream)
-            sg = compute_scale(recipe, ag, fg) if current else tensors[2][0]
+            sg = compute_scale(recipe, ag, fg) if current else used[2]
             qg = ops.cast(quantize(upstream, sg, fg), "float32")
             inv_g = ops.divide(1.0, sg)
             ok_g = ops.logical_and(ok, ops.isfinite(ag))
             dx = _nan_unless(ok_g, ops.einsum(dgrad_eq, qg, qw) * inv_g * inv_w)
             dk = _nan_unless(ok_g, ops.einsum(wgrad_eq, qx, qg) * inv_x * inv_g)
             out = [ops.cast(dx, x_dtype), ops.cast(dk, k_dtype)]
-            for (role, _), (scale, history), observed in zip(names, tensors, (ax, aw, ag), strict=True):
-                if training:
-                    scale, history = update(recipe, role, scale, history, observed)
+            for (role, _), (scale, history), observed, this in zip(
+                names, tensors, (ax, aw, ag), used, strict=True
+            ):
+                if training and current:
+                    scale = compute_scale(recipe, observed, recipe.format_of(role), scale)
+                elif training:
+                    scale, history = this, record(history, observed)
                 out.append(ops.convert_to_tensor(scale) + 0.0)
                 if history is not None:
                     out.append(ops.convert_to_tensor(history) + 0.0)

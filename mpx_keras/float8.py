@@ -14,11 +14,13 @@ dgrad and wgrad from the quantized operands.  The bias is added in float32.
 The FP8 state is six float32 variables per layer (``fp8_input_scale``, ``fp8_input_amax_history``,
 ``fp8_weight_...``, ``fp8_grad_...``; no histories under current scaling), saved with the model.
 They are Keras ``overwrite_with_gradient`` variables (hence trainable, as in Keras's own float8
-Dense): their "gradient" is their value after the step (:func:`mpx.float8.float8_update` with the
-step's amaxes), which the optimizer writes.  So step t quantizes with the scales computed from the
-amaxes of steps <= t-1 (Transformer Engine's lag; Keras's ``quantize("float8")`` lags one step more),
-and a step the mpx :class:`mpx_keras.LossScaleOptimizer` skips writes no variable: no amax and no
-scale are committed.
+Dense): their "gradient" is their value after the step, which the optimizer writes.  Under delayed
+scaling a ``*_scale`` variable holds the scale the last step quantized with, and each step computes
+its own from it and the history (the value :func:`mpx.float8.float8_update` gives; read the state
+with :func:`float8_state_dict`), so an accumulation window commits one update with the MAX of its
+micro-batches' amaxes.  Step t quantizes with the scales computed from the amaxes of steps <= t-1
+(Transformer Engine's lag; Keras's ``quantize("float8")`` lags one step more), and a step the mpx
+:class:`mpx_keras.LossScaleOptimizer` skips writes no variable: no amax and no scale are committed.
 
 >>> import keras, mpx_keras
 >>> with mpx_keras.policy_scope("mixed_bfloat16"):
@@ -39,6 +41,7 @@ import keras
 import numpy as np
 
 import mpx
+from mpx import float8 as core
 from mpx.errors import MPXError, StateDictError, UnsupportedTypeError
 from mpx.float8 import ROLES, Float8Recipe, Float8State, TensorScale
 from mpx.float8 import float8_state_dict as _core_state_dict
@@ -344,9 +347,11 @@ def float8_state_dict(model: keras.layers.Layer) -> dict[str, Any]:
             values[role][kind] = np.asarray(ops.convert_to_numpy(var.value), np.float32)
         for role in ROLES:
             hist = values[role].get("amax_history", np.zeros((0,), np.float32))
-            tensors[_name(path, role)] = TensorScale(
-                role, float(values[role]["scale"]), tuple(float(v) for v in hist)
-            )
+            scale = float(values[role]["scale"])
+            if recipe.scaling == "delayed":  # the variable holds the last step's scale: the next one is
+                window = float(hist[0] if recipe.amax_compute == "most_recent" else hist.max())
+                scale = core.compute_scale(recipe, window, recipe.format_of(role), scale)
+            tensors[_name(path, role)] = TensorScale(role, scale, tuple(float(v) for v in hist))
     return _core_state_dict(recipe, Float8State(tensors))
 
 
@@ -354,7 +359,9 @@ def load_float8_state_dict(model: keras.layers.Layer, state_dict: Mapping[str, A
     """Load an ``mpx.float8/1`` dict (from any backend) into ``model``'s FP8 layers, in place.
 
     Every field is validated (:func:`mpx.load_float8_state_dict`); the recipe must equal the layers'
-    and the tensor names must be exactly theirs.  All or nothing.
+    and the tensor names must be exactly theirs.  All or nothing.  Under delayed scaling the next step
+    quantizes with the scale its history gives (the dict's, for any dict :func:`mpx.float8.float8_update`
+    wrote; an all-zero history keeps the dict's scale).
 
     Raises:
         mpx.StateDictError: naming the bad field; nothing changes.

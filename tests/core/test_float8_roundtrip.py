@@ -91,12 +91,13 @@ with mpx_keras.policy_scope(POLICY):
 mpx_keras.apply_policy(model, POLICY)
 if state_in is not None:
     float8.load_float8_state_dict(model, state_in)
-for path, layer in float8.float8_layers(model):
-    for role in ("input", "weight", "grad"):
-        scale, hist = getattr(layer, f"fp8_{role}_scale"), getattr(layer, f"fp8_{role}_amax_history")
-        s, h = _float8_ops.update(layer.fp8_recipe, role, scale.value, hist.value, AMAXES[f"{path}.{role}"])
-        scale.assign(s)
-        hist.assign(h)
+sd = float8.float8_state_dict(model)
+for name, ts in sd["tensors"].items():  # one step of the Keras layers' update (keras.ops), per tensor
+    recipe = model.layers[0].fp8_recipe
+    s, h = _float8_ops.update(recipe, ts["role"], ts["scale"], keras.ops.convert_to_tensor(ts["amax_history"], "float32"), AMAXES[name])
+    ts["scale"] = float(keras.ops.convert_to_numpy(s))
+    ts["amax_history"] = [float(v) for v in keras.ops.convert_to_numpy(h)]
+float8.load_float8_state_dict(model, sd)
 json.dump(float8.float8_state_dict(model), open(OUT, "w"))
 """
 )

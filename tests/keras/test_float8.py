@@ -190,17 +190,21 @@ def test_forward_and_backward_gemms_match_fp8_dot_and_state_is_te_lagged():
     dw_ref = core.fp8_dot(x.T, c, 1.0, 1.0, "e4m3", "e5m2")
     assert np.allclose(g["kernel"], dw_ref, rtol=1e-5, atol=1e-6)
     assert np.allclose(g["bias"], c.sum(0), rtol=1e-6, atol=1e-7)
-    # the FP8 variables' "gradients" are their next values: float8_update with this step's amaxes
+    # the FP8 variables' "gradients" are what the optimizer writes: the histories with this step's
+    # amaxes and the scales this step used (1.0); the state then reads as float8_update's
     recipe = policy.fp8
     state = core.float8_update(
         recipe,
-        core.float8_init(recipe, {"input": "input", "weight": "weight", "grad": "grad"}),
-        {"input": np.abs(x).max(), "weight": np.abs(kernel).max(), "grad": np.abs(c).max()},
+        core.float8_init(recipe, {"fc1.input": "input", "fc1.weight": "weight", "fc1.grad": "grad"}),
+        {"fc1.input": np.abs(x).max(), "fc1.weight": np.abs(kernel).max(), "fc1.grad": np.abs(c).max()},
     )
     for role in core.ROLES:
-        assert g[f"fp8_{role}_scale"].tobytes() == np.float32(state.tensors[role].scale).tobytes()
-        hist = np.asarray(state.tensors[role].amax_history, np.float32)
+        assert g[f"fp8_{role}_scale"] == np.float32(1.0)
+        hist = np.asarray(state.tensors[f"fc1.{role}"].amax_history, np.float32)
         assert g[f"fp8_{role}_amax_history"].tobytes() == hist.tobytes()
+    for role, kind, var in layer.fp8_variables():
+        var.assign(g[f"fp8_{role}_{kind}"])
+    assert kf8.float8_state_dict(model) == core.float8_state_dict(recipe, state)
     del dx_ref  # dgrad is checked through the two-layer model below
 
 
@@ -267,10 +271,11 @@ def test_fit_commits_with_te_lag_and_a_skipped_step_writes_nothing():
     x, y = _fit_data(8)
     model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
     after_one = _fp8_values(model)
-    # step 1 recorded the input's amax (bf16 input) and computed the scale step 2 uses
+    # step 1 recorded the input's amax (bf16 input): step 2 quantizes with its scale
     a_in = float(np.abs(x.astype(ml_dtypes.bfloat16).astype(np.float32)).max())
     assert after_one["fc1.input.amax_history"][0] == np.float32(a_in)
-    assert after_one["fc1.input.scale"] == np.float32(core.compute_scale(policy.fp8, a_in, "e4m3"))
+    sd = kf8.float8_state_dict(model)["tensors"]
+    assert sd["fc1.input"]["scale"] == core.compute_scale(policy.fp8, a_in, "e4m3")
     assert after_one["fc1.grad.amax_history"][0] > 0  # the scaled output gradient's amax
     weights = [host(v.value).copy() for v in model.variables]
     inner = [host(v.value).copy() for v in opt.inner_optimizer.variables]
@@ -286,6 +291,32 @@ def test_fit_commits_with_te_lag_and_a_skipped_step_writes_nothing():
         assert value.tobytes() == after_one[name].tobytes(), name
     model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)  # a good step commits again
     assert _fp8_values(model)["fc1.input.amax_history"][1] == np.float32(a_in)
+
+
+def test_an_accumulation_window_commits_one_update_with_the_max_amax():
+    """mpx's LossScaleOptimizer over an inner optimizer with gradient_accumulation_steps=2: the window's
+    micro-batches observe different amaxes, the state moves once, as float8_update of their MAX; a
+    window with a non-finite micro-batch is skipped whole and commits nothing."""
+    model, policy = _dense_model("mixed_bfloat16,fp8=hybrid")
+    inner = keras.optimizers.SGD(1e-2, gradient_accumulation_steps=2)
+    opt = mpx_keras.LossScaleOptimizer(inner, config={"kind": "dynamic", "init_scale": 256.0})
+    model.compile(opt, loss="mse")
+    x, y = _fit_data(8)
+    x[4:] *= 3.0  # the second micro-batch's input amax is larger
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0, shuffle=False)
+    amaxes = [float(np.abs(x[i : i + 4].astype(ml_dtypes.bfloat16).astype(np.float32)).max()) for i in (0, 4)]
+    sd = kf8.float8_state_dict(model)["tensors"]["fc1.input"]
+    recipe = policy.fp8
+    ref = core.float8_update(recipe, core.float8_init(recipe, {"t": "input"}), {"t": max(amaxes)})
+    assert sd["amax_history"] == list(ref.tensors["t"].amax_history)
+    assert sd["scale"] == ref.tensors["t"].scale
+    before = _fp8_values(model)
+    x_bad = x.copy()
+    x_bad[5, 0] = np.inf
+    model.fit(x_bad, y, batch_size=4, epochs=1, verbose=0, shuffle=False)
+    assert opt.state.skipped_steps == 1
+    for name, value in _fp8_values(model).items():
+        assert value.tobytes() == before[name].tobytes(), name
 
 
 def test_current_scaling_records_the_steps_scale():
