@@ -328,7 +328,17 @@ def apply_policy(
     _warn_if_slow(p, 3)
     install_layer_hook()
     outputs = {id(layer) for layer in _output_layers(model)}
+    # The sublayers a library layer's own call consumes (the softmax and dropout of Keras's
+    # MultiHeadAttention, the norms inside keras-hub's layers), each -> that library layer.  The library's
+    # code around them expects their outputs in its compute dtype, as natively: the op table (the user's
+    # code's) leaves their autocast to Keras, and a float32 category (norm, softmax) computes in float32
+    # and hands its output back in the library layer's compute dtype (#24).
+    internal: dict[int, keras.layers.Layer] = {}
+    libraries = ("keras", "keras_hub", "keras_nlp", "keras_cv", "keras_rs")
     for path, layer in _walk(model):
+        graph = isinstance(layer, keras.Sequential) or _compat.is_functional(layer)
+        if id(layer) in internal or (type(layer).__module__.partition(".")[0] in libraries and not graph):
+            internal.update((id(child), layer) for child in _compat.child_layers(layer))
         if layer is not model:
             _remove_output_cast(layer)
         if isinstance(layer, keras.layers.InputLayer):
@@ -354,6 +364,7 @@ def apply_policy(
         if (
             op is not None
             and op in table
+            and id(layer) not in internal
             and table.classify(op, lp) in (mpx.OpClass.PASSTHROUGH, mpx.OpClass.PROMOTE)
         ):
             # Keras casts every layer's floating inputs to its compute dtype; the op
@@ -364,6 +375,9 @@ def apply_policy(
         # The policy's name carries what Keras does not save (the mpx policy, the
         # autocast flag, the output dtype), so load_model restores all of it.
         output = p.output_dtype if layer is model else None
+        if output is None and category is not None and id(layer) in internal:
+            output = internal[id(layer)].compute_dtype  # back in the library layer's compute dtype
+            output = None if output == lp.compute_dtype else output
         model_output = p.output_dtype if id(layer) in outputs else None
         layer.dtype_policy = keras.DTypePolicy(mpx_name(lp, autocast, output, model_output))
         if table is mpx.OP_TABLE:
