@@ -91,16 +91,17 @@ def _gradients(layer: keras.layers.Layer, variables: list):
 
 def run_fp8_trace(p: dict, mode: str) -> dict:
     """The scale each step leaves for the next, the FP8 variables written by an optimizer step (as ``fit``
-    takes it) on every step the loss scaler does not skip (mpx: a Float8Dense's ``fp8_<role>_scale``;
+    takes it) on every step the loss scaler does not skip (mpx: a Float8Dense's state, ``float8_state_dict``;
     native: Keras's float8 Dense's stored inverse ``<role>_scale``, as ``1 / stored``)."""
     recipe = p["recipe"]
     if mode == "mpx":
         layer = _mpx_dense(4, 4, p["policy"])
         variables = [v for _, _, v in layer.fp8_variables()]
-        var = getattr(layer, f"fp8_{p['role']}_scale")
+        float8 = _float8()
 
-        def scale() -> np.float32:
-            return np.float32(_numpy(var))
+        def scale() -> np.float32:  # the state float8_update gives, read through the public state dict
+            tensors = float8.float8_state_dict(layer)["tensors"].values()
+            return np.float32(next(t["scale"] for t in tensors if t["role"] == p["role"]))
     else:
         bad = [k for k, v in {"format": recipe["format"] != "hybrid", "scaling": recipe["scaling"] != "delayed",
                               "amax_compute": recipe["amax_compute"] != "max", "margin": recipe["margin"] != 0,

@@ -111,7 +111,7 @@ def _trace(p: dict, layer: keras.layers.Layer, variables: list, scale_of) -> lis
 
 
 def run_fp8_trace(p: dict, mode: str) -> dict:
-    """The scale each step leaves for the next (mpx: a Float8Dense's ``fp8_<role>_scale``; native: Keras's
+    """The scale each step leaves for the next (mpx: a Float8Dense's state, ``float8_state_dict``; native: Keras's
     float8 Dense's stored inverse ``<role>_scale``, as ``1 / stored``), the FP8 variables written by an
     optimizer on every step the loss scaler does not skip."""
     if mode == "mpx":
@@ -122,8 +122,13 @@ def run_fp8_trace(p: dict, mode: str) -> dict:
         model = mpx_keras.apply_policy(model, p["policy"])
         layer = model.layers[0]
         variables = [v for _, _, v in layer.fp8_variables()]
-        var = getattr(layer, f"fp8_{p['role']}_scale")
-        return {"scales": _trace(p, layer, variables, lambda: np.float32(var.numpy()))}
+        float8 = _float8()
+
+        def scale() -> np.float32:  # the state float8_update gives, read through the public state dict
+            tensors = float8.float8_state_dict(model)["tensors"].values()
+            return np.float32(next(t["scale"] for t in tensors if t["role"] == p["role"]))
+
+        return {"scales": _trace(p, layer, variables, scale)}
     _native_recipe_ok(p["recipe"])
     layer = _keras_dense(4, 4, p["recipe"]["amax_history_len"])
     variables = [v for v in layer.trainable_variables if "scale" in v.name or "amax_history" in v.name]
