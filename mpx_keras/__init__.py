@@ -22,7 +22,7 @@ The op table's dispatch (:mod:`mpx_keras.autocast`) is installed only while a
 policy needs it.  A Keras older than mpx is tested with raises
 :class:`mpx.FrameworkVersionError`; every Keras internal is reached through
 :mod:`mpx_keras._compat`.  On TensorFlow, :mod:`mpx_tf` adds ``tf.distribute``,
-gradient accumulation, the reduce dtype, TensorBoard history and the ``tf.*``
+the reduce dtype, TensorBoard history and the ``tf.*``
 functions of the op table.
 """
 

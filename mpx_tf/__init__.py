@@ -21,8 +21,8 @@ Every Keras/TensorFlow internal mpx_tf uses is reached through :mod:`mpx_tf._com
 What is not TensorFlow's own lives in :mod:`mpx_keras` (any Keras backend) and is
 re-exported here: the policies, ``mpx:`` dtype-policy names, :class:`LossScaleMonitor`
 and :func:`check_model`.  TensorFlow's own parts stay here: the op table's ``tf.*``
-wrappers (:func:`autocast`), ``tf.distribute``, the reduce dtype and gradient
-accumulation in :class:`LossScaleOptimizer`, ``tf.summary`` history.
+wrappers (:func:`autocast`), ``tf.distribute``, the reduce dtype in
+:class:`LossScaleOptimizer`, ``tf.summary`` history.
 """
 
 import os
