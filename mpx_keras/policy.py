@@ -20,7 +20,7 @@ import keras
 
 import mpx
 from mpx.errors import MPXError, PolicyError, UnsupportedTypeError
-from mpx_keras import _compat
+from mpx_keras import _compat, _user_code
 from mpx_keras.autocast import LAYER_TABLE, Rule, check_op_table, hold, nested_rule
 from mpx_keras.dtype_policy import NAME_PREFIX, cast_output, install_layer_hook, mpx_name
 
@@ -334,10 +334,10 @@ def apply_policy(
     # code's) leaves their autocast to Keras, and a float32 category (norm, softmax) computes in float32
     # and hands its output back in the library layer's compute dtype (#24).
     internal: dict[int, keras.layers.Layer] = {}
-    libraries = ("keras", "keras_hub", "keras_nlp", "keras_cv", "keras_rs")
     for path, layer in _walk(model):
         graph = isinstance(layer, keras.Sequential) or _compat.is_functional(layer)
-        if id(layer) in internal or (type(layer).__module__.partition(".")[0] in libraries and not graph):
+        library = type(layer).__module__.partition(".")[0] in _user_code.LIBRARY_PACKAGES
+        if id(layer) in internal or (library and not graph):
             internal.update((id(child), layer) for child in _compat.child_layers(layer))
         if layer is not model:
             _remove_output_cast(layer)

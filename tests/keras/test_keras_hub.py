@@ -208,6 +208,36 @@ def test_the_users_own_ops_around_a_backbone_still_follow_the_table():
     assert AUTOCAST.holds() == 0
 
 
+class UserBlock(keras.layers.Layer):
+    """The user's own layer (defined in a test file: user code) with a norm and a dropout inside."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.norm = keras.layers.LayerNormalization()
+        self.drop = keras.layers.Dropout(0.1)
+
+    def call(self, x):
+        return self.drop(self.norm(x))
+
+
+def test_only_a_library_layers_own_sublayers_are_left_to_keras():
+    """Keras's MultiHeadAttention is a library layer: its dropout keeps Keras's autocast and its float32
+    softmax hands back half.  The user's own layer's sublayers follow the op table's flags as before
+    (dropout keeps its input dtype) and the norm's float32 output is not cast back."""
+    with mpx_keras.policy_scope("mixed_float16"):
+        x = keras.Input((4, 8))
+        block = UserBlock()
+        attention = keras.layers.MultiHeadAttention(2, 4, dropout=0.1)
+        model = keras.Model(x, attention(block(x), block(x)))
+    mpx_keras.apply_policy(model, "mixed_float16")
+    assert attention._dropout_layer.autocast is True
+    assert attention._softmax.dtype_policy.name.endswith(";autocast=on;output=float16")
+    assert block.drop.autocast is False and block.drop.dtype_policy.name.endswith(";autocast=off")
+    assert block.norm.dtype_policy.name.endswith(";autocast=on")  # float32 out, as mpx's norms compute
+    y = block(np.ones((2, 4, 8), "float16"))
+    assert keras.backend.standardize_dtype(y.dtype) == "float32"
+
+
 # -- fit, an overflow skipped -----------------------------------------------------------------------------
 def classifier(name: str, policy: str, layers: int = 2) -> keras.Model:
     """The backbone with a pooled Dense(1) head, created under the policy and given it by apply_policy."""
