@@ -502,6 +502,16 @@ def test_keras_scale_traces_are_the_cores_bit_for_bit_on_every_keras_backend(dat
         assert len(set(map(tuple, traces.values()))) <= 1, (case, traces)
 
 
+def test_every_keras_native_divergence_is_in_exactly_one_explained_finding(keras_data):
+    saved = json.loads((keras_data["out"] / "report.json").read_text())
+    divergences = sorted((r["backend"], r["case"]) for r in saved["results"]
+                         if r["mode"] == "native" and r["status"] == "differs")  # fmt: skip
+    assert divergences and sorted((f["backend"], c) for f in saved["findings"] for c in f["cases"]) == divergences
+    for f in saved["findings"]:
+        assert "unexplained" not in f["topic"] and not f["topic"].startswith("other"), f
+        assert f["title"].startswith(("Keras on JAX", "Keras on PyTorch", "Keras's")), f["title"]
+
+
 def test_states_saved_by_each_keras_backend_resume_on_every_keras_backend(keras_data):
     """``portability.resume_from_keras-jax`` / ``resume_from_keras-torch``: the state one saved resumes the
     core's trace on the other (and on itself; torch, tf and jax resume from them in a full run)."""
