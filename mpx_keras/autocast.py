@@ -342,7 +342,7 @@ def active_rule() -> Rule | None:
     if stack and stack[-1][1] > index:  # the scope was entered inside the layer's call
         return stack[-1][0]
     if layer is not None:
-        own = choices_of(layer.dtype_policy)
+        own = choices_of(layer.dtype_policy, layer.path)
         if own is not None:
             return Rule(own.policy, layer.__dict__.get(LAYER_TABLE, mpx.OP_TABLE))
     if stack:

@@ -39,6 +39,8 @@ takes its autocast flag from it and casts its outputs; other layers run Keras's
 from __future__ import annotations
 
 import functools
+import re
+import sys
 from typing import Any, NamedTuple
 
 import keras
@@ -53,8 +55,10 @@ __all__ = [
     "cast_output",
     "choices_of",
     "install_layer_hook",
+    "keep_in_config",
     "mpx_name",
     "parse_name",
+    "policy_of",
 ]
 
 #: The prefix of the Keras dtype-policy names mpx adds.
@@ -129,12 +133,117 @@ def parse_name(name: str) -> LayerChoices:
     return LayerChoices(policy, autocast, outputs.get("output"), outputs.get("model_output"))
 
 
-def choices_of(dtype_policy: Any) -> LayerChoices | None:
-    """The mpx choices of a Keras dtype policy, or None for a policy without an mpx name."""
+def choices_of(dtype_policy: Any, path: str | None = None) -> LayerChoices | None:
+    """The mpx choices of a Keras dtype policy, or None for a policy without an mpx name.
+
+    A ``DTypePolicyMap`` (what a layer rebuilt by a keras-hub Backbone holds) is read as Keras reads it:
+    its entry for ``path`` (the layer's ``path``), else its default policy.
+    """
+    if isinstance(dtype_policy, keras.dtype_policies.DTypePolicyMap):
+        dtype_policy = dtype_policy[path] if path else dtype_policy.default_policy
     name = getattr(dtype_policy, "name", None)  # None: a layer without a dtype policy
     if isinstance(name, str) and name.startswith(NAME_PREFIX):
         return parse_name(name)
     return None
+
+
+def policy_of(layer: keras.layers.Layer) -> keras.DTypePolicy:
+    """The dtype policy ``layer`` computes with: its own, or its entry in the ``DTypePolicyMap`` it holds
+    (by ``layer.path``, else the map's default policy), as Keras resolves ``compute_dtype``."""
+    policy = layer.dtype_policy
+    if isinstance(policy, keras.dtype_policies.DTypePolicyMap):
+        return policy[layer.path] if layer.path else policy.default_policy
+    return policy
+
+
+# -- keras-hub backbones: the per-layer policies saved as the backbone's DTypePolicyMap -----------------
+# A keras-hub Backbone saves its constructor arguments and ONE dtype, and on load rebuilds every layer
+# inside, passing that dtype to each; Keras resolves a layer holding a DTypePolicyMap by ``map[layer.path]``.
+# So apply_policy gives the backbone a map of its layers' mpx policies.  Layers that are never built (no
+# weights: Dropout, Softmax) have no path: their key is their caller's path and their name without Keras's
+# numbering (``transformer_layer_0/self_attention/softmax``), resolved when they are first called.
+_NUMBERING = re.compile(r"_[0-9]+$")
+
+
+def _pathless_key(parent_path: str | None, layer: keras.layers.Layer) -> str | None:
+    if parent_path is None:
+        return None
+    name = _NUMBERING.sub("", layer.name)
+    return f"{parent_path}/{name}" if parent_path else name
+
+
+def _saves_one_dtype(layer: keras.layers.Layer) -> bool:
+    """Whether ``layer`` is a keras-hub Backbone (checked only when keras_hub is imported)."""
+    keras_hub = sys.modules.get("keras_hub")
+    backbone = getattr(getattr(keras_hub, "models", None), "Backbone", None)
+    return isinstance(backbone, type) and isinstance(layer, backbone)
+
+
+def keep_in_config(root: keras.layers.Layer) -> None:
+    """Give every keras-hub Backbone under ``root`` (``root`` too) a ``DTypePolicyMap`` of its layers'
+    mpx and quantized policies, so that its saved config, and the layers ``load_model`` rebuilds from it,
+    keep them.  Nothing computes differently: the backbone's own policy is the map's default, each layer
+    keeps the policy it holds (a layer already holding the map has its entry there).  A map the backbone
+    already holds (quantized layers, a loaded backbone) gets entries added, none removed."""
+    backbones, seen, todo = [], set(), [root]
+    while todo:
+        layer = todo.pop()
+        if id(layer) not in seen:
+            seen.add(id(layer))
+            backbones += [layer] if _saves_one_dtype(layer) else []
+            todo.extend(_compat.child_layers(layer))
+    for backbone in backbones:
+        entries: dict[str, keras.DTypePolicy] = {}
+        clashes: set[str] = set()
+        # its own layers are called (and built) when it is constructed: at the top, outside any scope
+        stack = [("", child) for child in _compat.child_layers(backbone)]
+        while stack:
+            parent_path, layer = stack.pop()
+            stack.extend((layer.path or parent_path, child) for child in _compat.child_layers(layer))
+            key = layer.path or _pathless_key(parent_path, layer)
+            policy = policy_of(layer)
+            if key is None or (choices_of(policy) is None and policy.quantization_mode is None):
+                continue
+            if key in entries and entries[key].name != policy.name:
+                clashes.add(key)  # two unbuilt siblings with one key: both left to the default
+            entries[key] = policy
+        current = backbone.dtype_policy
+        if isinstance(current, keras.dtype_policies.DTypePolicyMap):
+            policy_map = current
+        else:
+            policy_map = keras.dtype_policies.DTypePolicyMap(default_policy=current)
+        for key, policy in entries.items():
+            if key in clashes:
+                continue
+            if key in policy_map:
+                del policy_map[key]
+            policy_map[key] = policy
+        if policy_map is not current:
+            backbone.dtype_policy = policy_map
+
+
+def _current_path() -> str:
+    """The path Keras's name scopes give now (what ``Layer.path`` is set from when a layer builds)."""
+    parts: list[str] = []
+    for entry in _compat.name_scope_stack():
+        if entry.override_parent is not None:
+            parts = [p for p in entry.override_parent.split("/") if p]
+        parts.append(entry.name)
+    return "/".join(parts)
+
+
+def _resolve_pathless(layer: keras.layers.Layer, policy_map: Any) -> Any:
+    """The policy of a layer without a path holding a map.  Not built yet: its entry at the path it will
+    have (Keras resolves it by that path from its build on).  Never built (no weights): its caller's
+    entry, now set on it as its own policy (Keras cannot resolve a layer without a path)."""
+    here = _current_path()
+    if not layer.built:
+        return policy_map[f"{here}/{layer.name}" if here else layer.name]
+    key = _pathless_key(here, layer)
+    if key is None or key not in policy_map:
+        return policy_map.default_policy
+    layer.dtype_policy = policy_map[key]  # a layer without a path holds it as its own
+    return layer.dtype_policy
 
 
 def cast_output(x: Any, dtype: str) -> Any:
@@ -182,7 +291,10 @@ def install_layer_hook() -> None:
 
     @functools.wraps(original_call)
     def __call__(self: keras.layers.Layer, *args: Any, **kwargs: Any) -> Any:
-        choices = choices_of(self.dtype_policy)
+        policy = self.dtype_policy
+        if isinstance(policy, keras.dtype_policies.DTypePolicyMap):  # rebuilt by a keras-hub Backbone
+            policy = policy[self.path] if self.path else _resolve_pathless(self, policy)
+        choices = choices_of(policy)
         if choices is None:
             return original_call(self, *args, **kwargs)
         if choices.autocast is not None and self.autocast is not choices.autocast:

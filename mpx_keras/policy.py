@@ -22,7 +22,7 @@ import mpx
 from mpx.errors import MPXError, PolicyError, UnsupportedTypeError
 from mpx_keras import _compat, _user_code
 from mpx_keras.autocast import LAYER_TABLE, Rule, check_op_table, hold, nested_rule
-from mpx_keras.dtype_policy import NAME_PREFIX, cast_output, install_layer_hook, mpx_name
+from mpx_keras.dtype_policy import NAME_PREFIX, cast_output, install_layer_hook, keep_in_config, mpx_name
 
 __all__ = [
     "LAYER_TABLE",
@@ -387,6 +387,7 @@ def apply_policy(
     from mpx_keras.float8 import convert as float8_convert  # FP8 Dense/EinsumDense where fp8= says (#26)
 
     float8_convert(model, p, op_table=table)
+    keep_in_config(model)  # a keras-hub Backbone saves them as its DTypePolicyMap (#24)
     _install_output_cast(model, p.output_dtype)
     for name in ("train_function", "test_function", "predict_function"):
         if getattr(model, name, None) is not None:  # traced under the old dtypes
