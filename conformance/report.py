@@ -205,7 +205,14 @@ def _findings(data: dict) -> list[dict]:
 
 
 def _backend_line(backend: str, meta: dict) -> str:
-    return meta.get("skipped") or f"{meta.get('version')} on {meta.get('device')}, {meta.get('seconds')}s"
+    if meta.get("skipped"):
+        return meta["skipped"]
+    line = f"{meta.get('version')} on {meta.get('device')}, {meta.get('seconds')}s"
+    if meta.get("mpx_free") is True:
+        line += "; native ran with nothing of mpx loaded"
+    elif meta.get("mpx_free") is False:
+        line += "; native run LOADED mpx: see report.json"
+    return line
 
 
 def terminal(data: dict) -> str:
