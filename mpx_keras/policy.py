@@ -304,6 +304,10 @@ def apply_policy(
     the model is changed in place and returned.  Variables are never
     converted: a layer already built with variables of another dtype than
     the param dtype raises (create the model under :func:`policy_scope`).
+    A keras-hub ``Backbone`` (saved as its constructor arguments and one
+    dtype) gets a ``DTypePolicyMap`` of its layers' policies as that dtype, so
+    ``keras.models.load_model`` restores them too
+    (:func:`mpx_keras.dtype_policy.keep_in_config`).
 
     Args:
         model: a Keras model or layer (built or not).

@@ -359,3 +359,27 @@ def test_save_and_load_keep_every_layer_policy_inside_a_backbone(name, policy, t
     assert [e for i, e in enumerate(there) if i not in explicit] == [
         e for i, e in enumerate(here) if i not in explicit
     ]
+
+
+def test_a_dtype_policy_map_is_read_by_layer_path():
+    default = keras.DTypePolicy(mpx_keras.dtype_policy.mpx_name("mixed_float16"))
+    norm = keras.DTypePolicy(mpx_keras.dtype_policy.mpx_name("float32", autocast=True, output="float16"))
+    policy_map = keras.dtype_policies.DTypePolicyMap(default_policy=default, policy_map={"block/norm": norm})
+    choices_of = mpx_keras.dtype_policy.choices_of
+    assert choices_of(policy_map, "block/norm") == (mpx.get_policy("float32"), True, "float16", None)
+    assert choices_of(policy_map, "block/dense").policy == mpx.get_policy("mixed_float16")
+    assert choices_of(policy_map).policy == mpx.get_policy("mixed_float16")  # no path: the default
+    restored = keras.dtype_policies.deserialize(keras.dtype_policies.serialize(policy_map))
+    assert choices_of(restored, "block/norm") == choices_of(policy_map, "block/norm")
+    assert choices_of(keras.dtype_policies.DTypePolicyMap(default_policy="float32"), "block/norm") is None
+
+
+def test_only_a_keras_hub_backbone_gets_a_map():
+    with mpx_keras.policy_scope("mixed_float16"):
+        x = keras.Input((4,))
+        model = keras.Model(x, keras.layers.LayerNormalization()(keras.layers.Dense(4)(x)))
+    mpx_keras.apply_policy(model, "mixed_float16")
+    assert not any(
+        isinstance(layer.dtype_policy, keras.dtype_policies.DTypePolicyMap)
+        for layer in model._flatten_layers()
+    )
