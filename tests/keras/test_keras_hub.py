@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import re
 from pathlib import Path
 
@@ -383,3 +384,39 @@ def test_only_a_keras_hub_backbone_gets_a_map():
         isinstance(layer.dtype_policy, keras.dtype_policies.DTypePolicyMap)
         for layer in model._flatten_layers()
     )
+
+
+LOAD_ON = r"""
+import json, re, sys, numpy as np, keras, keras_hub, mpx_keras
+from mpx_keras._compat import child_layers
+from mpx_keras.dtype_policy import policy_of
+model = keras.models.load_model(sys.argv[1] if len(sys.argv) > 1 else {path!r})
+x = {{k: np.asarray(v, "int32") for k, v in json.loads({x!r}).items()}}
+out = keras.ops.convert_to_numpy(keras.ops.cast(model(x), "float32"))
+found, stack = [], [("", model)]
+while stack:
+    path, layer = stack.pop()
+    if not isinstance(layer, keras.layers.InputLayer):
+        found.append((path, policy_of(layer).name, layer.autocast))
+    for child in reversed(child_layers(layer)):
+        stack.append((f"{{path}}/{{re.sub(r'_[0-9]+$', '', child.name)}}", child))
+print(json.dumps({{"policies": found[1:], "out": out.tolist()}}))
+"""
+
+
+def test_a_backbone_saved_here_loads_on_every_backend_with_every_layer_policy(tmp_path, python_on):
+    """GPT2 under mixed_float16 saved on this backend, loaded in a fresh process on each backend: after
+    one call, every layer under the model has the saved policy and autocast flag (see above)."""
+    model, _ = saved_and_loaded("gpt2", "mixed_float16", tmp_path)
+    x = inputs("gpt2")
+    here = keras.ops.convert_to_numpy(keras.ops.cast(model(x), "float32"))
+    expected = [list(entry) for entry in layer_policies(model)[1:]]
+    code = LOAD_ON.format(
+        path=str(tmp_path / "gpt2-mixed_float16.keras"), x=json.dumps({k: v.tolist() for k, v in x.items()})
+    )
+    for backend in ["tensorflow", "jax", "torch"]:
+        proc = python_on(code, backend)
+        assert proc.returncode == 0, (backend, proc.stderr[-3000:])
+        got = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert got["policies"] == expected, backend
+        np.testing.assert_allclose(np.asarray(got["out"]), here, rtol=2e-2, atol=2e-2)
