@@ -349,6 +349,8 @@ def apply_policy(
             continue
         if not keras.backend.is_float_dtype(layer.compute_dtype):
             continue  # integer / string preprocessing layers keep their dtype
+        if layer.quantization_mode is not None:
+            continue  # Keras's quantized policy (int8, float8...) stays: it says how its kernel is stored
         category = category_of(layer)
         lp = p.for_module(path, category)
         for v in _own_float_variables(layer):

@@ -381,8 +381,7 @@ def test_only_a_keras_hub_backbone_gets_a_map():
         model = keras.Model(x, keras.layers.LayerNormalization()(keras.layers.Dense(4)(x)))
     mpx_keras.apply_policy(model, "mixed_float16")
     assert not any(
-        isinstance(layer.dtype_policy, keras.dtype_policies.DTypePolicyMap)
-        for layer in model._flatten_layers()
+        isinstance(layer.dtype_policy, keras.dtype_policies.DTypePolicyMap) for layer in all_layers(model)
     )
 
 
@@ -420,3 +419,37 @@ def test_a_backbone_saved_here_loads_on_every_backend_with_every_layer_policy(tm
         got = json.loads(proc.stdout.strip().splitlines()[-1])
         assert got["policies"] == expected, backend
         np.testing.assert_allclose(np.asarray(got["out"]), here, rtol=2e-2, atol=2e-2)
+
+
+def all_layers(root: keras.layers.Layer) -> list[keras.layers.Layer]:
+    """``root`` and every layer under it."""
+    found, stack = [], [root]
+    while stack:
+        found.append(stack.pop())
+        stack.extend(child_layers(found[-1]))
+    return found
+
+
+def test_a_quantized_backbone_keeps_its_int8_layers_and_the_mpx_policies_through_save_and_load(tmp_path):
+    """keras-hub's own use of the map: int8 layers (``backbone.quantize``) keep Keras's quantized policy
+    under apply_policy, and the map holds both kinds of entries through save and load."""
+    with mpx_keras.policy_scope("mixed_bfloat16"):
+        backbone = gpt2(layers=1)
+    backbone.quantize("int8")
+    quantized = sorted(layer.path for layer in all_layers(backbone) if layer.quantization_mode)
+    assert quantized  # the Dense/EinsumDense projections and the embedding
+    mpx_keras.apply_policy(backbone, "mixed_bfloat16")
+
+    def policies(model):
+        return {layer.path: policy_of(layer).name for layer in all_layers(model) if layer.path}
+
+    here = policies(backbone)
+    assert {path for path, name in here.items() if name == "int8_from_mixed_bfloat16"} == set(quantized)
+    assert here["transformer_layer_0/self_attention_layer_norm"].startswith(
+        "mpx:params=float32,compute=float32"
+    )
+    backbone.save(tmp_path / "gpt2-int8.keras")
+    loaded = keras.models.load_model(tmp_path / "gpt2-int8.keras")
+    assert policies(loaded) == here
+    x = inputs("gpt2")
+    assert np.array_equal(keras.ops.convert_to_numpy(loaded(x)), keras.ops.convert_to_numpy(backbone(x)))
