@@ -94,9 +94,11 @@ __all__ = [
     "fp8_dot",
     "fp8_max",
     "load_float8_state_dict",
+    "one_recipe",
     "quantize",
     "reduce_amaxes",
     "scale_inv",
+    "tensor_key",
 ]
 
 #: The ``format`` tag of every FP8 state dict this version writes and reads.
@@ -335,6 +337,32 @@ def float8_state_dict(recipe: Float8Recipe, state: Float8State) -> dict[str, Any
             for name, ts in state.tensors.items()
         },
     }
+
+
+def tensor_key(path: str, role: str) -> str:
+    """The key of one tensor's scale in an ``mpx.float8/1`` dict: ``"<layer path>.<role>"`` (the role alone
+    for a layer at the model's root), the same in every backend.
+
+    >>> tensor_key("blocks.0.mlp", "weight"), tensor_key("", "grad")
+    ('blocks.0.mlp.weight', 'grad')
+    """
+    return f"{path}.{role}" if path else role
+
+
+def one_recipe(recipes: Iterable[Float8Recipe], what: str = "FP8 layers") -> Float8Recipe:
+    """The one recipe a model's ``what`` share (``Float8Recipe()`` when there are none): an
+    ``mpx.float8/1`` dict holds one.
+
+    Raises:
+        StateDictError: when they use more than one recipe.
+    """
+    found = set(recipes)
+    if len(found) > 1:
+        raise StateDictError(
+            f"model: its {what} use {len(found)} different recipes; an {FLOAT8_FORMAT} dict holds one "
+            "(give every FP8 layer the same fp8 keys, or save the model's own state instead)"
+        )
+    return found.pop() if found else Float8Recipe()
 
 
 def _f32_value(where: str, value: Any, *, positive: bool) -> float:

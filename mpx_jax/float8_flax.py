@@ -50,7 +50,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mpx.errors import UnsupportedTypeError
-from mpx.float8 import ROLES, Float8Error, Float8Recipe
+from mpx.float8 import ROLES, Float8Error, Float8Recipe, one_recipe, tensor_key
 from mpx.policy import Policy
 from mpx_jax import float8 as f8
 from mpx_jax.opt_state import get_loss_scale
@@ -62,9 +62,9 @@ __all__ = [
     "Float8Scale",
     "commit_float8",
     "float8_modules",
-    "float8_state",
+    "float8_state_dict",
     "float8_step",
-    "load_float8_state",
+    "load_float8_state_dict",
 ]
 
 
@@ -232,7 +232,7 @@ def float8_step(optimizer: nnx.Optimizer, model: nnx.Module, grads: Any, /, **kw
     commit_float8(model, amax_grads, boundary=boundary, applied=applied, axis_name=axis_name)
 
 
-def float8_state(model: nnx.Module) -> dict[str, Any]:
+def float8_state_dict(model: nnx.Module) -> dict[str, Any]:
     """The model's FP8 state as one ``mpx.float8/1`` dict: tensors ``"<path>.input"``, ``.weight``, ``.grad``.
 
     Every :class:`Float8Linear` must share one recipe (the dict has one).
@@ -240,19 +240,16 @@ def float8_state(model: nnx.Module) -> dict[str, Any]:
     modules = list(float8_modules(model))
     if not modules:
         raise Float8Error("model: it has no mpx_jax.float8_flax.Float8Linear, so it has no FP8 state.")
-    recipes = {m.recipe for _, m in modules}
-    if len(recipes) != 1:
-        raise Float8Error("model: its Float8Linear layers use different recipes; one state dict holds one.")
-    recipe = recipes.pop()
+    recipe = one_recipe((m.recipe for _, m in modules), "Float8Linear layers")
     tensors = {}
     for path, m in modules:
         scale, hist = m.fp8_scale[...], m.fp8_history[...]
         for i, role in enumerate(ROLES):
-            tensors[f"{path}.{role}"] = f8.TensorScale(scale[i], hist[i], role)
+            tensors[tensor_key(path, role)] = f8.TensorScale(scale[i], hist[i], role)
     return f8.float8_state_dict(recipe, f8.Float8State(tensors))
 
 
-def load_float8_state(model: nnx.Module, data: Any) -> None:
+def load_float8_state_dict(model: nnx.Module, data: Any) -> None:
     """Load an ``mpx.float8/1`` dict (from any backend) into ``model``'s FP8 state, all or nothing.
 
     The dict must name exactly the model's tensors with their roles and carry the model's recipe.

@@ -43,7 +43,7 @@ import numpy as np
 import mpx
 from mpx import float8 as core
 from mpx.errors import MPXError, StateDictError, UnsupportedTypeError
-from mpx.float8 import ROLES, Float8Recipe, Float8State, TensorScale
+from mpx.float8 import ROLES, Float8Recipe, Float8State, TensorScale, one_recipe, tensor_key
 from mpx.float8 import float8_state_dict as _core_state_dict
 from mpx.float8 import load_float8_state_dict as _core_load
 from mpx.ops import OpTable, as_op_table
@@ -317,17 +317,7 @@ def _recipe_of(model: keras.layers.Layer) -> tuple[Float8Recipe, list[tuple[str,
         raise StateDictError(
             f"layer {unbuilt[0]!r}: not built yet, so it has no FP8 state; build the model first"
         )
-    recipes = {layer.fp8_recipe for _, layer in layers}
-    if len(recipes) > 1:
-        raise StateDictError(
-            f"model: its FP8 layers use {len(recipes)} different recipes; an mpx.float8/1 dict holds one "
-            "(give every FP8 layer the same fp8 keys, or save the model's weights instead)"
-        )
-    return (recipes.pop() if recipes else Float8Recipe()), layers
-
-
-def _name(path: str, role: str) -> str:
-    return f"{path}.{role}" if path else role
+    return one_recipe((layer.fp8_recipe for _, layer in layers), "FP8 layers"), layers
 
 
 def float8_state_dict(model: keras.layers.Layer) -> dict[str, Any]:
@@ -351,7 +341,7 @@ def float8_state_dict(model: keras.layers.Layer) -> dict[str, Any]:
             if recipe.scaling == "delayed":  # the variable holds the last step's scale: the next one is
                 window = float(hist[0] if recipe.amax_compute == "most_recent" else hist.max())
                 scale = core.compute_scale(recipe, window, recipe.format_of(role), scale)
-            tensors[_name(path, role)] = TensorScale(role, scale, tuple(float(v) for v in hist))
+            tensors[tensor_key(path, role)] = TensorScale(role, scale, tuple(float(v) for v in hist))
     return _core_state_dict(recipe, Float8State(tensors))
 
 
@@ -371,7 +361,7 @@ def load_float8_state_dict(model: keras.layers.Layer, state_dict: Mapping[str, A
     if layers and recipe != own:
         diff = [k for k, v in own.to_dict().items() if recipe.to_dict()[k] != v]
         raise StateDictError(f"recipe: the state dict's recipe differs from the model's in {', '.join(diff)}")
-    expected = {_name(path, role): (layer, role) for path, layer in layers for role in ROLES}
+    expected = {tensor_key(path, role): (layer, role) for path, layer in layers for role in ROLES}
     missing = sorted(set(expected) - set(state.tensors))
     extra = sorted(set(state.tensors) - set(expected))
     if missing or extra:
@@ -385,6 +375,6 @@ def load_float8_state_dict(model: keras.layers.Layer, state_dict: Mapping[str, A
             )
     for path, layer in layers:
         for role, kind, var in layer.fp8_variables():
-            ts = state.tensors[_name(path, role)]
+            ts = state.tensors[tensor_key(path, role)]
             value = ts.scale if kind == "scale" else ts.amax_history
             var.assign(np.asarray(value, np.float32))

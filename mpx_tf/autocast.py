@@ -6,70 +6,17 @@ TensorFlow's own functions (:data:`TF_OPS`) to what its dispatch replaces, with
 one :func:`mpx_keras.autocast.register_targets` at import, and gives every wrapper
 AutoGraph's ``do_not_convert``.
 
-Keras chooses dtypes per layer, not per op: a custom layer that calls
-``keras.ops.softmax`` on float16 inputs gets a float16 softmax whatever the
-policy says.  :func:`autocast` is a scope in which the public ``keras.ops.*``,
-``keras.losses.*`` functions and the matching ``tf.*``, ``tf.math.*``,
-``tf.nn.*`` and ``tf.linalg.*`` functions follow :data:`mpx.OP_TABLE`:
-
-- LOWER ops (matmul, einsum, conv, attention) compute in the compute dtype;
-- FLOAT32 ops (softmax, norms, losses, exp/log/pow, reductions, cumsum,
-  logsumexp) cast half-precision inputs to float32 and return float32;
-- PROMOTE ops (add, multiply, concatenate, stack, where) return the widest
-  floating input; PASSTHROUGH ops are not touched.
-
-The mechanism is Python-level dispatch, installed only while a policy needs
-it: importing mpx_tf replaces nothing.  While at least one *hold* is taken
-(an :func:`autocast` or :func:`mpx_tf.policy_scope` scope of a policy that
-lowers precision or forces float32, :func:`mpx_tf.set_global_policy` of such a
-policy in some thread, or the ``call`` of a layer :func:`mpx_tf.apply_policy`
-gave a lowering policy), those public functions are replaced in their
-namespaces by thin wrappers; when the last hold is given back (on scope exit,
-errors too; reference-counted under a lock, so threads share one install)
-every original is put back and each of them is again identical (``is``) to
-Keras's or TensorFlow's own.  Wrappers only run in Python: inside
+Everything else (which ops follow the table and how, the holds that install the
+dispatch only while a policy needs it, the user-code rule, which policy applies,
+nested float32 scopes) is :mod:`mpx_keras.autocast`'s, documented there.  On
+TensorFlow, the ``tf.*``, ``tf.math.*``, ``tf.nn.*`` and ``tf.linalg.*``
+functions follow the same table, and the user-code rule also looks through at
+most :data:`MAX_TRACING_FRAMES` frames of TensorFlow's tracing machinery
+(AutoGraph, ``tf.function``).  Wrappers only run in Python: inside
 ``tf.function`` (and so in ``model.fit``) they run once, at trace time, and the
-traced graph holds nothing but the casts.  A function reference taken before
-the scope (``from keras.ops import softmax`` at import) is Keras's own and
-never follows the table: call ``keras.ops.softmax`` (looked up at the call),
-or decorate your own function with :func:`autocast_op`.
-
-Which calls follow the table: **user code only**.  A call is user code when
-the first frame above the op, looking through at most
-:data:`MAX_TRACING_FRAMES` frames of TensorFlow's tracing machinery (AutoGraph,
-``tf.function``), is from a file that belongs to no installed library: not a
-module of :data:`LIBRARY_PACKAGES` (Keras, TensorFlow, keras-hub, keras-nlp,
-keras-cv...), not under a ``site-packages``/``dist-packages`` directory or the
-standard library, and not mpx's own packages.  Code typed in (``<stdin>``,
-doctests, notebooks) is user code.  Each file's kind is decided once and
-cached, so the check is one frame lookup per call (plus the tracing frames
-inside ``tf.function``).  So a library layer's explicit dtype choices survive
-the op table: keras-hub's attention matmuls compute in the layer's compute
-dtype as natively, and Llama's float32 rotary embedding stays float32, even
-inside a layer given an mpx policy.  A project installed into site-packages
-(not editable) is library code too: its ops follow the layers' own dtypes.
-
-Which policy applies, innermost first:
-
-1. the innermost Keras layer being called, if :func:`mpx_tf.apply_policy`
-   gave it its mpx policy (so any layer's ``call`` follows the table, even
-   after ``keras.models.load_model``);
-2. the innermost :func:`autocast` scope;
-3. the policy set by :func:`mpx_tf.set_global_policy` (while Keras's global
-   policy is still the one it set), except inside a layer whose compute
-   dtype differs from it (a layer created with ``dtype="float32"``).
-
-Each of them comes with its op table (``op_table=`` of :func:`autocast`,
-:func:`mpx_tf.policy_scope`, :func:`mpx_tf.set_global_policy`,
-:func:`mpx_tf.apply_policy`; default :data:`mpx.OP_TABLE`).
-
-A policy whose compute dtype is not half precision changes nothing, except
-in a float32 scope nested in a mixed one (an :func:`autocast` or
-:func:`mpx_tf.policy_scope` of such a policy entered where a lowering policy
-is in force): there it forces float32, as a float32 region in every mpx
-backend: LOWER and FLOAT32 ops compute half inputs in float32 (PROMOTE ops
-still take the widest input).  The choice is made at trace time: a ``tf.function`` traced under one policy keeps
-its casts when later called under another (trace it again to change them).
+traced graph holds nothing but the casts; a ``tf.function`` traced under one
+policy keeps its casts when later called under another (trace it again to
+change them).
 
 >>> import keras
 >>> x = keras.ops.ones((2, 3), dtype="float16")

@@ -48,7 +48,7 @@ from mpx import (
     UnsupportedTypeError,
     get_policy,
 )
-from mpx.float8 import FLOAT8_FORMAT, ROLES, Float8State, TensorScale, fp8_max
+from mpx.float8 import ROLES, Float8State, TensorScale, fp8_max, one_recipe, tensor_key
 from mpx.float8 import float8_state_dict as _core_state_dict
 from mpx.float8 import load_float8_state_dict as _core_load
 from mpx_torch import _float8_ops
@@ -364,17 +364,7 @@ def commit(model: nn.Module, skipped: Any = False, *, process_group: Any = None)
 
 def _recipe_of(model: nn.Module) -> tuple[Float8Recipe, list[tuple[str, Float8Linear]]]:
     modules = list(float8_modules(model))
-    recipes = {module.fp8_recipe for _, module in modules}
-    if len(recipes) > 1:
-        raise StateDictError(
-            f"model: its FP8 modules use {len(recipes)} different recipes; an {FLOAT8_FORMAT} dict holds one "
-            "(give every FP8 module the same fp8 keys, or save model.state_dict() instead)"
-        )
-    return (recipes.pop() if recipes else Float8Recipe()), modules
-
-
-def _name(path: str, role: str) -> str:
-    return f"{path}.{role}" if path else role
+    return one_recipe((module.fp8_recipe for _, module in modules), "FP8 modules"), modules
 
 
 def float8_state_dict(model: nn.Module) -> dict[str, Any]:
@@ -393,7 +383,7 @@ def float8_state_dict(model: nn.Module) -> dict[str, Any]:
         scales = module.fp8_scale.tolist()
         histories = module.fp8_amax_history.tolist()
         for i, role in enumerate(ROLES):
-            tensors[_name(path, role)] = TensorScale(role, scales[i], tuple(histories[i]))
+            tensors[tensor_key(path, role)] = TensorScale(role, scales[i], tuple(histories[i]))
     return _core_state_dict(recipe, Float8State(tensors))
 
 
@@ -410,7 +400,9 @@ def load_float8_state_dict(model: nn.Module, state_dict: Mapping[str, Any]) -> N
     own, modules = _recipe_of(model)
     if modules and recipe != own:
         raise StateDictError(f"recipe: the state dict's {recipe} differs from the model's {own}")
-    expected = {_name(path, role): (module, i) for path, module in modules for i, role in enumerate(ROLES)}
+    expected = {
+        tensor_key(path, role): (module, i) for path, module in modules for i, role in enumerate(ROLES)
+    }
     missing = sorted(set(expected) - set(state.tensors))
     extra = sorted(set(state.tensors) - set(expected))
     if missing or extra:

@@ -134,3 +134,23 @@ def within_bound(out: np.ndarray, reference: list[float | None], bound: list[flo
         "nan_observed": int(np.isnan(got).sum()),
         "worst_over_bound": float(np.max(excess[~ok & np.isfinite(excess)], initial=0.0)),
     }
+
+
+def require_native_recipe(recipe: dict, who: str) -> None:
+    """Skip (with the reason) a recipe Keras's and Flax's FP8 cannot express: they have delayed scaling
+    with the max of the history, margin 0, e4m3 forward and e5m2 gradients only."""
+    from conformance.adapters._common import Skip
+
+    unsupported = {
+        "format": recipe["format"] != "hybrid",
+        "scaling": recipe["scaling"] != "delayed",
+        "amax_compute": recipe["amax_compute"] != "max",
+        "margin": recipe["margin"] != 0,
+        "power_of_two": recipe["power_of_two"],
+    }
+    bad = [k for k, v in unsupported.items() if v]
+    if bad:
+        raise Skip(
+            f"{who} cannot express this recipe ({', '.join(f'{k}={recipe[k]!r}' for k in bad)}): it has "
+            "delayed scaling with the max of the history, margin 0, e4m3 forward and e5m2 gradients only"
+        )

@@ -16,13 +16,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from conformance.adapters._common import Skip
 from conformance.fp8 import (
     bits_to_f32,
     encode_fp8,
     f32_to_bits,
     matmul_inputs,
     quantize_inputs,
+    require_native_recipe,
     trace_input,
     within_bound,
 )
@@ -89,17 +89,7 @@ def _flax_op(length: int):
 
 def _native_trace(p: dict) -> list[int]:
     recipe = p["recipe"]
-    unsupported = {
-        "format": recipe["format"] != "hybrid",
-        "scaling": recipe["scaling"] != "delayed",
-        "amax_compute": recipe["amax_compute"] != "max",
-        "margin": recipe["margin"] != 0,
-        "power_of_two": recipe["power_of_two"],
-    }
-    bad = [k for k, v in unsupported.items() if v]
-    if bad:
-        raise Skip(f"Flax's FP8 ops cannot express this recipe ({', '.join(f'{k}={recipe[k]!r}' for k in bad)}): they have "
-                   "delayed scaling with the max of the history, margin 0, e4m3 forward and e5m2 gradients only")  # fmt: skip
+    require_native_recipe(recipe, "Flax's FP8 ops")
     op = _flax_op(recipe["amax_history_len"])
     kernel = jnp.ones((4, 4), jnp.float32)
     grad_role = p["role"] == "grad"

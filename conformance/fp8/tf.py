@@ -29,6 +29,7 @@ from conformance.fp8 import (
     f32_to_bits,
     matmul_inputs,
     quantize_inputs,
+    require_native_recipe,
     trace_input,
     within_bound,
 )
@@ -68,17 +69,7 @@ def run_fp8_quantize(p: dict, mode: str) -> dict:
 
 
 def _native_recipe_ok(recipe: dict) -> None:
-    unsupported = {
-        "format": recipe["format"] != "hybrid",
-        "scaling": recipe["scaling"] != "delayed",
-        "amax_compute": recipe["amax_compute"] != "max",
-        "margin": recipe["margin"] != 0,
-        "power_of_two": recipe["power_of_two"],
-    }
-    bad = [k for k, v in unsupported.items() if v]
-    if bad:
-        raise Skip(f"Keras's float8 Dense cannot express this recipe ({', '.join(f'{k}={recipe[k]!r}' for k in bad)}): it has "
-                   "delayed scaling with the max of the history, margin 0, e4m3 forward and e5m2 gradients only")  # fmt: skip
+    require_native_recipe(recipe, "Keras's float8 Dense")
 
 
 def _keras_dense(units: int, in_dim: int, history: int) -> keras.layers.Dense:

@@ -65,7 +65,7 @@ JAX = (
 from flax import nnx
 import mpx
 from mpx_jax import float8 as f8
-from mpx_jax.float8_flax import Float8Linear, float8_state, load_float8_state
+from mpx_jax.float8_flax import Float8Linear, float8_state_dict, load_float8_state_dict
 recipe = mpx.get_policy(POLICY).fp8
 class Net(nnx.Module):
     def __init__(self, rngs):
@@ -73,11 +73,11 @@ class Net(nnx.Module):
         self.fc2 = Float8Linear(6, 3, recipe=recipe, rngs=rngs)
 model = Net(nnx.Rngs(0))
 if state_in is not None:
-    load_float8_state(model, state_in)
-r, state = f8.load_float8_state_dict(float8_state(model))
+    load_float8_state_dict(model, state_in)
+r, state = f8.load_float8_state_dict(float8_state_dict(model))
 state = f8.float8_update(r, state, AMAXES)
-load_float8_state(model, f8.float8_state_dict(r, state))
-json.dump(float8_state(model), open(OUT, "w"))
+load_float8_state_dict(model, f8.float8_state_dict(r, state))
+json.dump(float8_state_dict(model), open(OUT, "w"))
 """
 )
 

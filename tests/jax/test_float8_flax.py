@@ -17,9 +17,9 @@ from mpx_jax import get_loss_scale, with_loss_scaling  # noqa: E402
 from mpx_jax.float8_flax import (  # noqa: E402
     FLOAT8_GRADS,
     Float8Linear,
-    float8_state,
+    float8_state_dict,
     float8_step,
-    load_float8_state,
+    load_float8_state_dict,
 )
 
 RECIPE = mpx.Float8Recipe(amax_history_len=4)
@@ -109,7 +109,7 @@ def test_fp8_state_trace_equals_the_core_reference_with_skips(recipe):
         applied.append(int(get_loss_scale(opt).skipped_steps) == skipped_before)
     assert applied == [True, True, False, True, True, False, True, True]
     ref = core.float8_state_dict(recipe, _replay(recipe, amax_steps, applied))
-    assert float8_state(model) == ref
+    assert float8_state_dict(model) == ref
 
 
 def test_accumulation_windows_commit_the_window_max_at_the_boundary():
@@ -128,27 +128,27 @@ def test_accumulation_windows_commit_the_window_max_at_the_boundary():
             windows.append(np.maximum(steps[-2], steps[-1]))
             applied.append(int(get_loss_scale(opt).skipped_steps) == skipped_before)
     assert applied == [True, True, False, True]
-    assert float8_state(model) == core.float8_state_dict(RECIPE, _replay(RECIPE, windows, applied))
+    assert float8_state_dict(model) == core.float8_state_dict(RECIPE, _replay(RECIPE, windows, applied))
 
 
 def test_checkpoint_round_trips_through_the_core():
     model, opt = _make()
     for s in range(3):
         _train_step(model, opt, *_data(s))
-    d = float8_state(model)
+    d = float8_state_dict(model)
     recipe, state = core.load_float8_state_dict(json.loads(json.dumps(d)))
     assert recipe == RECIPE and set(state.tensors) == {f"{m}.{r}" for m in ("l1", "l2") for r in core.ROLES}
     fresh, _ = _make()
-    load_float8_state(fresh, core.float8_state_dict(recipe, state))
-    assert float8_state(fresh) == d
+    load_float8_state_dict(fresh, core.float8_state_dict(recipe, state))
+    assert float8_state_dict(fresh) == d
     bad = json.loads(json.dumps(d))
     bad["tensors"].pop("l2.grad")
     before = _bits(nnx.state(fresh))
     with pytest.raises(mpx.StateDictError, match="tensors: expected the model's 6 FP8 tensors"):
-        load_float8_state(fresh, bad)
+        load_float8_state_dict(fresh, bad)
     other = core.float8_state_dict(mpx.Float8Recipe(amax_history_len=4, margin=2), state)
     with pytest.raises(mpx.StateDictError, match="recipe: .* differs from the model's in margin"):
-        load_float8_state(fresh, other)
+        load_float8_state_dict(fresh, other)
     assert _bits(nnx.state(fresh)) == before
 
 
@@ -224,7 +224,7 @@ def test_small_transformer_trains_under_fp8_hybrid_and_compiles_once():
         losses.append(float(step(model, opt, jnp.asarray(tokens, jnp.int32))))
     assert len(traces) == 1
     assert np.mean(losses[-5:]) < 0.5 * np.mean(losses[:5]), losses
-    st = float8_state(model)
+    st = float8_state_dict(model)
     scales = [t["scale"] for t in st["tensors"].values()]
     assert all(s != 1.0 for s in scales)  # every scale moved off its initial value
 
