@@ -147,5 +147,5 @@ ADAPTER = TFAdapter()
 export(ADAPTER, globals())
 functions = ADAPTER.functions
 
-# the fp8 group (issue 26): conformance/fp8/tf.py
-from conformance.fp8.tf import run_fp8_matmul, run_fp8_quantize, run_fp8_trace  # noqa: E402, F401
+# the fp8 group (issue 26): conformance/fp8/keras.py, the same on every Keras backend
+from conformance.fp8.keras import run_fp8_matmul, run_fp8_quantize, run_fp8_trace  # noqa: E402, F401

@@ -1,8 +1,8 @@
-"""The ``fp8`` group on Keras 3 on JAX or PyTorch (the ``keras-jax`` and ``keras-torch`` columns): under mpx
-``mpx_keras.float8`` (quantize, Float8Dense through ``apply_policy``), natively Keras's own float8
-(``keras.quantizers.quantize_and_dequantize``, a Dense with a ``QuantizedFloat8DTypePolicy``), as
-:mod:`conformance.fp8.tf` does on TensorFlow, with gradients and optimizer steps taken as ``fit`` takes them
-(:class:`conformance.adapters.keras.KerasAdapter`'s ``value_and_grad`` and ``apply``).
+"""The ``fp8`` group on Keras 3 on any backend (the ``tf``, ``keras-jax`` and ``keras-torch`` columns): under
+mpx ``mpx_keras.float8`` (quantize, Float8Dense through ``apply_policy``), natively Keras's own float8
+(``keras.quantizers.quantize_and_dequantize``, a Dense with a ``QuantizedFloat8DTypePolicy``), with gradients
+and optimizer steps taken as ``fit`` takes them (:class:`conformance.adapters.keras.KerasAdapter`'s ``apply``;
+gradients jitted on jax and traced by ``tf.function`` on TensorFlow, as ``fit`` compiles them).
 
 No mpx import at module level: the native paths import nothing of mpx (:mod:`conformance.fp8` is mpx-free).
 """
@@ -13,7 +13,6 @@ import keras
 import ml_dtypes
 import numpy as np
 
-from conformance.adapters._common import Skip
 from conformance.adapters.keras import KerasAdapter
 from conformance.fp8 import (
     FP8_DTYPES,
@@ -22,6 +21,7 @@ from conformance.fp8 import (
     f32_to_bits,
     matmul_inputs,
     quantize_inputs,
+    require_native_recipe,
     trace_input,
     within_bound,
 )
@@ -75,9 +75,21 @@ def _mpx_dense(units: int, in_dim: int, spec: str) -> keras.layers.Layer:
 
 
 def _gradients(layer: keras.layers.Layer, variables: list):
-    """``(x, g) -> gradients of sum(layer(x) * g)`` for ``variables``: jitted on jax (a stateless call, as
-    ``fit`` compiles it), else the adapter's eager ``value_and_grad``."""
-    if keras.backend.backend() != "jax":
+    """``(x, g) -> gradients of sum(layer(x) * g)`` for ``variables``, compiled as ``fit`` compiles a step: jitted
+    (a stateless call) on jax, a ``tf.function`` on TensorFlow (Keras's float8 Dense cannot take an eager
+    tape's gradient there), else the adapter's eager ``value_and_grad``."""
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        @tf.function
+        def tf_gradients(x, g) -> list:
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(layer(x, training=True) * g)
+            return tape.gradient(loss, variables)
+
+        return tf_gradients
+    if backend != "jax":
         return lambda x, g: _STEPS.value_and_grad(lambda: ops.sum(layer(x, training=True) * g), variables)[1]
     import jax
 
@@ -103,13 +115,7 @@ def run_fp8_trace(p: dict, mode: str) -> dict:
             tensors = float8.float8_state_dict(layer)["tensors"].values()
             return np.float32(next(t["scale"] for t in tensors if t["role"] == p["role"]))
     else:
-        bad = [k for k, v in {"format": recipe["format"] != "hybrid", "scaling": recipe["scaling"] != "delayed",
-                              "amax_compute": recipe["amax_compute"] != "max", "margin": recipe["margin"] != 0,
-                              "power_of_two": recipe["power_of_two"]}.items() if v]  # fmt: skip
-        if bad:
-            raise Skip(f"Keras's float8 Dense cannot express this recipe ({', '.join(f'{k}={recipe[k]!r}' for k in bad)}): "
-                       "it has delayed scaling with the max of the history, margin 0, e4m3 forward and e5m2 "
-                       "gradients only")  # fmt: skip
+        require_native_recipe(recipe, "Keras's float8 Dense")
         layer = _native_dense(4, 4, recipe["amax_history_len"])
         variables = [v for v in layer.trainable_variables if "scale" in v.name or "amax_history" in v.name]
         var = getattr(layer, f"{VAR[p['role']]}_scale")
