@@ -87,6 +87,7 @@ __all__ = [
     "Float8Recipe",
     "Float8State",
     "TensorScale",
+    "check_model_state",
     "compute_scale",
     "float8_init",
     "float8_state_dict",
@@ -363,6 +364,41 @@ def one_recipe(recipes: Iterable[Float8Recipe], what: str = "FP8 layers") -> Flo
             "(give every FP8 layer the same fp8 keys, or save the model's own state instead)"
         )
     return found.pop() if found else Float8Recipe()
+
+
+def check_model_state(
+    recipe: Float8Recipe, state: Float8State, model_recipe: Float8Recipe | None, paths: Iterable[str]
+) -> None:
+    """Check, before anything is written, that a loaded ``mpx.float8/1`` dict fits a model: every backend's
+    ``load_float8_state_dict(model, d)`` runs it, so a dict fits the same models everywhere.
+
+    Args:
+        recipe, state: what :func:`load_float8_state_dict` read.
+        model_recipe: the recipe the model's FP8 layers share (:func:`one_recipe`); None for a model
+            without FP8 layers.
+        paths: the FP8 layers' paths; the dict must hold exactly ``tensor_key(path, role)`` for each path
+            and role of :data:`ROLES`, with that role.
+
+    Raises:
+        StateDictError: naming the recipe fields that differ, the missing and unexpected tensors, or the
+            tensor whose role is not its key's.
+    """
+    if model_recipe is not None and recipe != model_recipe:
+        diff = [k for k, v in model_recipe.to_dict().items() if recipe.to_dict()[k] != v]
+        raise StateDictError(f"recipe: the state dict's recipe differs from the model's in {', '.join(diff)}")
+    want = {tensor_key(path, role): role for path in paths for role in ROLES}
+    missing = sorted(set(want) - set(state.tensors))
+    extra = sorted(set(state.tensors) - set(want))
+    if missing or extra:
+        raise StateDictError(
+            f"tensors: expected the model's {len(want)} FP8 tensors with their roles; "
+            f"missing {missing[:3]}, unexpected {extra[:3]}"
+        )
+    for name, role in want.items():
+        if state.tensors[name].role != role:
+            raise StateDictError(
+                f"tensors[{name!r}].role: expected {role!r}, got {state.tensors[name].role!r}"
+            )
 
 
 def _f32_value(where: str, value: Any, *, positive: bool) -> float:

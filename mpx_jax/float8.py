@@ -48,7 +48,6 @@ import numpy as np
 from jax import lax
 
 from mpx import float8 as core
-from mpx.errors import StateDictError
 from mpx.float8 import Float8Error, Float8Recipe
 
 __all__ = [
@@ -474,13 +473,6 @@ def _bwd(static: _Static, res: Any, g: jax.Array) -> tuple[Any, ...]:
 
 
 _fp8_linear_vjp.defvjp(_fwd, _bwd)
-
-
-def check_state_dict_recipe(recipe: Float8Recipe, loaded: Float8Recipe) -> None:
-    """Raise :class:`mpx.StateDictError` when a loaded recipe differs from the model's."""
-    if loaded != recipe:
-        diff = [k for k, v in recipe.to_dict().items() if loaded.to_dict()[k] != v]
-        raise StateDictError(f"recipe: the state dict's recipe differs from the model's in {', '.join(diff)}")
 
 
 # -- a stateless FP8 dot_general (current scaling), for autocast's LOWER dots ---------------------------

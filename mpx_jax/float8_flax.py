@@ -50,7 +50,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mpx.errors import UnsupportedTypeError
-from mpx.float8 import ROLES, Float8Error, Float8Recipe, one_recipe, tensor_key
+from mpx.float8 import ROLES, Float8Error, Float8Recipe, check_model_state, one_recipe, tensor_key
 from mpx.policy import Policy
 from mpx_jax import float8 as f8
 from mpx_jax.opt_state import get_loss_scale
@@ -257,23 +257,13 @@ def load_float8_state_dict(model: nnx.Module, data: Any) -> None:
     Raises:
         mpx.StateDictError: naming the field that does not fit.
     """
-    from mpx.errors import StateDictError
 
     recipe, state = f8.load_float8_state_dict(data)
     modules = list(float8_modules(model))
-    want = {f"{p}.{r}": r for p, _ in modules for r in ROLES}
-    got = {name: ts.role for name, ts in state.tensors.items()}
-    if got != want:
-        missing = sorted(set(want) - set(got))
-        extra = sorted(set(got) - set(want))
-        raise StateDictError(
-            f"tensors: expected the model's {len(want)} FP8 tensors with their roles; "
-            f"missing {missing[:3]}, unexpected {extra[:3]}"
-        )
-    for _, m in modules:
-        f8.check_state_dict_recipe(m.recipe, recipe)
+    own = one_recipe((m.recipe for _, m in modules), "Float8Linear layers") if modules else None
+    check_model_state(recipe, state, own, [path for path, _ in modules])
     for path, m in modules:
-        m.fp8_scale[...] = jnp.stack([state.tensors[f"{path}.{r}"].scale for r in ROLES])
-        hist = [state.tensors[f"{path}.{r}"].amax_history for r in ROLES]
+        m.fp8_scale[...] = jnp.stack([state.tensors[tensor_key(path, r)].scale for r in ROLES])
+        hist = [state.tensors[tensor_key(path, r)].amax_history for r in ROLES]
         m.fp8_history[...] = jnp.stack(hist).reshape(m.fp8_history[...].shape)
         m.fp8_pending[...] = jnp.full((len(ROLES),), -jnp.inf, jnp.float32)

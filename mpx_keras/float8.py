@@ -43,7 +43,15 @@ import numpy as np
 import mpx
 from mpx import float8 as core
 from mpx.errors import MPXError, StateDictError, UnsupportedTypeError
-from mpx.float8 import ROLES, Float8Recipe, Float8State, TensorScale, one_recipe, tensor_key
+from mpx.float8 import (
+    ROLES,
+    Float8Recipe,
+    Float8State,
+    TensorScale,
+    check_model_state,
+    one_recipe,
+    tensor_key,
+)
 from mpx.float8 import float8_state_dict as _core_state_dict
 from mpx.float8 import load_float8_state_dict as _core_load
 from mpx.ops import OpTable, as_op_table
@@ -358,21 +366,7 @@ def load_float8_state_dict(model: keras.layers.Layer, state_dict: Mapping[str, A
     """
     recipe, state = _core_load(state_dict)
     own, layers = _recipe_of(model)
-    if layers and recipe != own:
-        diff = [k for k, v in own.to_dict().items() if recipe.to_dict()[k] != v]
-        raise StateDictError(f"recipe: the state dict's recipe differs from the model's in {', '.join(diff)}")
-    expected = {tensor_key(path, role): (layer, role) for path, layer in layers for role in ROLES}
-    missing = sorted(set(expected) - set(state.tensors))
-    extra = sorted(set(state.tensors) - set(expected))
-    if missing or extra:
-        raise StateDictError(
-            f"tensors: expected exactly the model's FP8 tensors; missing {missing[:3]}, unexpected {extra[:3]}"
-        )
-    for name, (_, role) in expected.items():
-        if state.tensors[name].role != role:
-            raise StateDictError(
-                f"tensors[{name!r}].role: expected {role!r}, got {state.tensors[name].role!r}"
-            )
+    check_model_state(recipe, state, own if layers else None, [path for path, _ in layers])
     for path, layer in layers:
         for role, kind, var in layer.fp8_variables():
             ts = state.tensors[tensor_key(path, role)]

@@ -44,11 +44,10 @@ from mpx import (
     MPXError,
     OpTable,
     PolicySpec,
-    StateDictError,
     UnsupportedTypeError,
     get_policy,
 )
-from mpx.float8 import ROLES, Float8State, TensorScale, fp8_max, one_recipe, tensor_key
+from mpx.float8 import ROLES, Float8State, TensorScale, check_model_state, fp8_max, one_recipe, tensor_key
 from mpx.float8 import float8_state_dict as _core_state_dict
 from mpx.float8 import load_float8_state_dict as _core_load
 from mpx_torch import _float8_ops
@@ -398,22 +397,10 @@ def load_float8_state_dict(model: nn.Module, state_dict: Mapping[str, Any]) -> N
     """
     recipe, state = _core_load(state_dict)
     own, modules = _recipe_of(model)
-    if modules and recipe != own:
-        raise StateDictError(f"recipe: the state dict's {recipe} differs from the model's {own}")
+    check_model_state(recipe, state, own if modules else None, [path for path, _ in modules])
     expected = {
         tensor_key(path, role): (module, i) for path, module in modules for i, role in enumerate(ROLES)
     }
-    missing = sorted(set(expected) - set(state.tensors))
-    extra = sorted(set(state.tensors) - set(expected))
-    if missing or extra:
-        raise StateDictError(
-            f"tensors: expected exactly the model's FP8 tensors; missing {missing[:3]}, unexpected {extra[:3]}"
-        )
-    for name, (_, i) in expected.items():
-        if state.tensors[name].role != ROLES[i]:
-            raise StateDictError(
-                f"tensors[{name!r}].role: expected {ROLES[i]!r}, got {state.tensors[name].role!r}"
-            )
     with torch.no_grad():
         for name, (module, i) in expected.items():
             ts = state.tensors[name]
