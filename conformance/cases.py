@@ -133,7 +133,7 @@ def _trace(config: mpx.ScalerConfig, flags: list[bool]) -> list[float]:
     out = []
     for finite in flags:
         scaler.update(finite)
-        out.append(scaler.scale)
+        out.append(scaler.get_scale())
     return out
 
 

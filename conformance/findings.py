@@ -143,7 +143,7 @@ def _simulate(config: dict, flags: list[bool]) -> list[float]:
     out = []
     for finite in flags:
         scaler.update(finite)
-        out.append(scaler.scale)
+        out.append(scaler.get_scale())
     return out
 
 

@@ -28,7 +28,7 @@ def _trace(config: dict, flags: list[bool], **changes) -> list[float]:
     out = []
     for finite in flags:
         scaler.update(finite)
-        out.append(scaler.scale)
+        out.append(scaler.get_scale())
     return out
 
 

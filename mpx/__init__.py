@@ -35,11 +35,10 @@ from mpx.float8 import (
     Float8Recipe,
     Float8State,
     float8_init,
-    float8_state_dict,
     float8_update,
-    load_float8_state_dict,
 )
 from mpx.history import HISTORY_FORMAT, HistoryError, ScalerHistory
+from mpx.loss_scaler import LossScaler
 from mpx.ops import OP_CATEGORIES, OP_TABLE, OpClass, OpTable, classify, result_dtype
 from mpx.policy import (
     CATEGORIES,
@@ -55,7 +54,6 @@ from mpx.scaling import (
     COUNTER_MAX,
     SCALE_FLOOR,
     STATE_DICT_FORMAT,
-    LossScaler,
     ScalerConfig,
     ScalerState,
     as_scaler_config,
@@ -116,10 +114,8 @@ __all__ = [
     "classify",
     "dtype_info",
     "float8_init",
-    "float8_state_dict",
     "float8_update",
     "get_policy",
-    "load_float8_state_dict",
     "load_state_dict",
     "numpy_dtype",
     "resolve_categories",

@@ -34,7 +34,8 @@ from typing import Any
 import numpy as np
 
 from mpx.errors import MPXError
-from mpx.scaling import LossScaler, ScalerConfig
+from mpx.loss_scaler import LossScaler
+from mpx.scaling import ScalerConfig
 
 __all__ = ["accumulation_trace", "check_accumulation_steps", "window_flags"]
 
@@ -86,5 +87,5 @@ def accumulation_trace(
     out = []
     for finite in window_flags(micro_flags, steps):
         scaler.update(finite)
-        out.append({"applied": finite or not scaler.config.skip_nonfinite, "scale": scaler.scale})
+        out.append({"applied": finite or not scaler.config.skip_nonfinite, "scale": scaler.get_scale()})
     return out

@@ -48,7 +48,7 @@ def _describe(policy: Policy) -> dict:
         "keep_fp32": list(policy.keep_fp32),
         "rules": [{"selector": rule.selector, "policy": str(rule.policy)} for rule in policy.rules()],
         "fp8": None if policy.fp8 is None else policy.fp8.to_dict(),
-        "fp8_ops": [op for op in OP_TABLE if policy.fp8_applies(op)],
+        "fp8_ops": [op for op in OP_TABLE if OP_TABLE.fp8_applies(op, policy)],
         "loss_scaling": scaler.kind,
         "ops": {
             op: {
@@ -101,7 +101,7 @@ def _recipe_text(policy: Policy) -> str:
     return (
         f"{r.format} ({formats}); {scaling}, margin {r.margin}, "
         f"power-of-two scales {'on' if r.power_of_two else 'off'}; ops: "
-        + ", ".join(op for op in OP_TABLE if policy.fp8_applies(op))
+        + ", ".join(op for op in OP_TABLE if OP_TABLE.fp8_applies(op, policy))
     )
 
 

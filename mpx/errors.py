@@ -9,6 +9,7 @@ from __future__ import annotations
 
 __all__ = [
     "DTypeError",
+    "Float8Error",
     "FrameworkVersionError",
     "MPXError",
     "PolicyError",
@@ -38,6 +39,10 @@ class ScalerConfigError(MPXError):
 
 class StateDictError(MPXError):
     """A scaler state dict is malformed, tampered with or of another format."""
+
+
+class Float8Error(MPXError):
+    """An FP8 recipe field, format or role is not allowed."""
 
 
 class ScalerStuckError(MPXError):

@@ -50,8 +50,14 @@ Scaling (:func:`float8_update`), per tensor, Transformer Engine's convention
       windows and replicas included (replicas reduce amaxes with MAX first,
       :func:`reduce_amaxes`).
 
-State dicts (:func:`float8_state_dict`, :func:`load_float8_state_dict`) are
-JSON-safe: ``{"format": "mpx.float8/1", "recipe": {...}, "tensors": {name:
+One implementation: :func:`quantize`, :func:`compute_scale`, :func:`float8_update` and
+:func:`reduce_amaxes` run the kernels of :mod:`mpx.kernels.float8` with the numpy table;
+every backend runs the same kernels on its own arrays (``float8_init``/``float8_update``
+take a backend's table as ``ops=``, and :class:`TensorScale`/:class:`Float8State` then hold
+its arrays: JAX registers them as pytrees).
+
+State dicts (:func:`state_dict`, :func:`load_state_dict`; every backend's model-level
+``float8_state_dict(model)`` writes one) are JSON-safe: ``{"format": "mpx.float8/1", "recipe": {...}, "tensors": {name:
 {"role": ..., "scale": ..., "amax_history": [...]}}}``; loading validates every
 field, all or nothing, and raises :class:`mpx.StateDictError`.
 
@@ -72,10 +78,13 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
-from mpx.errors import MPXError, StateDictError
+from mpx.errors import Float8Error, StateDictError
+from mpx.formats import FORMATS, fp8_max
+from mpx.kernels import float8 as _kernel
+from mpx.kernels.array_ops import NUMPY_OPS, ArrayOps
+from mpx.kernels.float8 import CURRENT_AMAX_FLOOR
 
 __all__ = [
     "CURRENT_AMAX_FLOOR",
@@ -90,41 +99,28 @@ __all__ = [
     "check_model_state",
     "compute_scale",
     "float8_init",
-    "float8_state_dict",
     "float8_update",
     "fp8_dot",
     "fp8_max",
-    "load_float8_state_dict",
+    "load_state_dict",
     "one_recipe",
     "quantize",
     "reduce_amaxes",
     "scale_inv",
+    "state_dict",
     "tensor_key",
 ]
 
 #: The ``format`` tag of every FP8 state dict this version writes and reads.
 FLOAT8_FORMAT = "mpx.float8/1"
-#: The FP8 formats by short name: numpy dtypes (ml_dtypes).
-FORMATS: dict[str, np.dtype] = {
-    "e4m3": np.dtype(ml_dtypes.float8_e4m3fn),
-    "e5m2": np.dtype(ml_dtypes.float8_e5m2),
-}
 #: What a quantized tensor is to its GEMM: forward operands (input, weight) and the backward's gradient.
 ROLES = ("input", "weight", "grad")
 #: The ops a policy's ``fp8`` recipe turns into FP8 GEMMs when the op table classifies them LOWER
-#: (:meth:`mpx.Policy.fp8_applies`); every other op follows the policy's compute dtype.
+#: (:meth:`mpx.OpTable.fp8_applies`); every other op follows the policy's compute dtype.
 FP8_OPS = ("linear", "matmul", "einsum")
-#: The amax floor of ``current`` scaling (torchao's ``EPS``).
-CURRENT_AMAX_FLOOR = 1e-12
-_F32_MAX = float(np.finfo(np.float32).max)
-_F32_TINY = float(np.finfo(np.float32).tiny)
 _RECIPE_FORMATS = ("hybrid", "e4m3")
 _SCALINGS = ("delayed", "current")
 _AMAX_COMPUTE = ("max", "most_recent")
-
-
-class Float8Error(MPXError):
-    """An FP8 recipe field, format or role is not allowed."""
 
 
 def _show(value: Any) -> str:
@@ -195,24 +191,17 @@ class Float8Recipe:
         return cls(**data)
 
 
-def fp8_max(fmt: str) -> float:
-    """The largest finite value of an FP8 format (``"e4m3"``: 448, ``"e5m2"``: 57344)."""
-    if fmt not in FORMATS:
-        raise Float8Error(f"fmt: {_show(fmt)} is not allowed; allowed: {', '.join(FORMATS)}")
-    return float(ml_dtypes.finfo(FORMATS[fmt]).max)
-
-
 def scale_inv(scale: float) -> float:
     """``float32(1 / scale)``: what the GEMM multiplies its float32 result by, per operand."""
     return float(np.float32(1.0) / np.float32(scale))
 
 
 def quantize(x: Any, scale: float, fmt: str) -> np.ndarray:
-    """``fp8(clip(float32(x) * float32(scale), -fp8_max, fp8_max))``: an ml_dtypes FP8 array (NaN stays NaN)."""
-    limit = np.float32(fp8_max(fmt))
-    with np.errstate(over="ignore", invalid="ignore"):
-        scaled = np.asarray(x, dtype=np.float32) * np.float32(scale)
-    return np.clip(scaled, -limit, limit).astype(FORMATS[fmt])
+    """``fp8(clip(float32(x) * float32(scale), -fp8_max, fp8_max))``: an ml_dtypes FP8 array (NaN stays NaN).
+
+    :func:`mpx.kernels.float8.quantize` with the numpy table.
+    """
+    return _kernel.quantize(NUMPY_OPS, np.asarray(x), scale, fmt)
 
 
 def fp8_dot(
@@ -235,36 +224,27 @@ def fp8_dot(
     return out
 
 
-def _round_down_pow2(scale: float) -> float:
-    _, exponent = math.frexp(scale)  # scale = m * 2**exponent with m in [0.5, 1)
-    return math.ldexp(1.0, exponent - 1)
-
-
 def compute_scale(recipe: Float8Recipe, amax: float, fmt: str, previous: float = 1.0) -> float:
-    """The float32 scale for an ``amax`` (see the module docs for every rule); ``previous``: the scale to keep."""
-    amax = float(amax)
-    if recipe.scaling == "current":
-        if not math.isfinite(amax):
-            return 1.0
-        amax = max(amax, CURRENT_AMAX_FLOOR)
-    elif not math.isfinite(amax) or amax <= 0.0:
-        return float(np.float32(previous))
-    # float64, then one rounding to float32; ldexp divides by 2**margin exactly (no overflow for any margin)
-    value = math.ldexp(fp8_max(fmt) / amax, -recipe.margin)
-    scale = _F32_MAX if value >= _F32_MAX else float(np.float32(value))
-    if scale < _F32_TINY:  # zero or subnormal (a huge amax or margin): its float32 inverse would overflow
-        scale = _F32_TINY  # the smallest normal float32 keeps it invertible
+    """The float32 scale for an ``amax`` (see the module docs for every rule); ``previous``: the scale to keep.
 
-    return _round_down_pow2(scale) if recipe.power_of_two else scale
+    :func:`mpx.kernels.float8.compute_scale` with the numpy table.
+    """
+    with np.errstate(over="ignore"):
+        a = np.float32(amax)
+    return float(_kernel.compute_scale(NUMPY_OPS, recipe, a, fmt, np.float32(previous)))
 
 
 @dataclass(frozen=True)
 class TensorScale:
-    """One quantized tensor's scaling state: its role, float32 scale and amax history (most recent first)."""
+    """One quantized tensor's scaling state: its role, float32 scale and amax history (most recent first).
+
+    Host values (a float and a tuple of floats) from the numpy reference; a backend's arrays (a
+    float32 scalar and a float32 ``(amax_history_len,)`` array) when built with its ``ops``.
+    """
 
     role: str
-    scale: float = 1.0
-    amax_history: tuple[float, ...] = ()
+    scale: Any = 1.0
+    amax_history: Any = ()
 
 
 @dataclass(frozen=True)
@@ -274,67 +254,90 @@ class Float8State:
     tensors: Mapping[str, TensorScale] = field(default_factory=dict)
 
 
-def float8_init(recipe: Float8Recipe, roles: Mapping[str, str]) -> Float8State:
+def _history_length(recipe: Float8Recipe) -> int:
+    return recipe.amax_history_len if recipe.scaling == "delayed" else 0
+
+
+def float8_init(recipe: Float8Recipe, roles: Mapping[str, str], *, ops: ArrayOps | None = None) -> Float8State:
     """A fresh state for tensors ``{name: role}``: scale 1.0, a zero history of ``amax_history_len``
-    (delayed scaling; empty under current scaling)."""
-    length = recipe.amax_history_len if recipe.scaling == "delayed" else 0
+    (delayed scaling; empty under current scaling).
+
+    ``ops``: None for host values, or a backend's :class:`~mpx.kernels.array_ops.ArrayOps` for its
+    arrays (a float32 scalar scale and a float32 history).
+    """
+    length = _history_length(recipe)
     tensors = {}
     for name, role in roles.items():
         recipe.format_of(role)  # validates the role
-        tensors[str(name)] = TensorScale(role, 1.0, (0.0,) * length)
+        if ops is None:
+            tensors[str(name)] = TensorScale(role, 1.0, (0.0,) * length)
+        else:
+            zeros = ops.from_numpy(np.zeros(length, np.float32))
+            tensors[str(name)] = TensorScale(role, ops.float32(1.0), zeros)
     return Float8State(tensors)
 
 
 def reduce_amaxes(per_replica: Iterable[Mapping[str, float]]) -> dict[str, float]:
-    """Replicas' amaxes combined with MAX (NaN wins, as in a MAX all-reduce), so every replica takes one update."""
-    out: dict[str, float] = {}
+    """Replicas' amaxes combined with MAX (NaN wins, as in a MAX all-reduce), so every replica takes one update
+    (:func:`mpx.kernels.float8.window_max` with the numpy table)."""
+    out: dict[str, Any] = {}
     for amaxes in per_replica:
         for name, value in amaxes.items():
-            v = float(value)
-            old = out.get(name)
-            out[name] = v if old is None or math.isnan(v) or (not math.isnan(old) and v > old) else old
-    return out
+            with np.errstate(over="ignore"):
+                v = np.float32(value)
+            out[name] = v if name not in out else _kernel.window_max(NUMPY_OPS, out[name], v)
+    return {name: float(v) for name, v in out.items()}
 
 
 def float8_update(
-    recipe: Float8Recipe, state: Float8State, amaxes: Mapping[str, float], *, skipped: bool = False
+    recipe: Float8Recipe,
+    state: Float8State,
+    amaxes: Mapping[str, Any],
+    *,
+    skipped: Any = False,
+    ops: ArrayOps | None = None,
 ) -> Float8State:
-    """The state after one optimizer step that saw ``amaxes`` (pure).
+    """The state after one optimizer step that saw ``amaxes`` (pure), by :func:`mpx.kernels.float8.update_tensor`.
 
     Delayed scaling records each finite amax at the front of its history (dropping the oldest) and
     computes the scale the next step quantizes with.  Current scaling keeps no history: the scale
     recorded is the one the step's own amax gave.  ``skipped``: the loss scaler skipped this step, so
-    nothing is committed.  Tensors not in ``amaxes`` are unchanged; unknown names raise Float8Error.
+    nothing is committed (a Python bool, or with ``ops`` a traced bool scalar: a select).  Tensors not
+    in ``amaxes`` are unchanged; unknown names raise Float8Error.
+
+    ``ops``: None for a state of host values (the reference), or a backend's table for a state holding
+    its arrays (as :func:`float8_init` with ``ops`` builds it); the kernel is the same.
     """
     unknown = [name for name in amaxes if name not in state.tensors]
     if unknown:
         raise Float8Error(f"amaxes: unknown tensor {unknown[0]!r}; known: {', '.join(state.tensors)}")
-    if skipped:
+    if skipped is True or (ops is None and skipped):
         return state
+    o = NUMPY_OPS if ops is None else ops
+    skip = None if skipped is False or ops is None else skipped
     tensors = dict(state.tensors)
     for name, value in amaxes.items():
         ts = tensors[name]
-        with np.errstate(over="ignore"):
-            amax = float(np.float32(value))  # backends measure amaxes in float32
-        fmt = recipe.format_of(ts.role)
-        if recipe.scaling == "current":
-            tensors[name] = dataclasses.replace(ts, scale=compute_scale(recipe, amax, fmt, ts.scale))
-            continue
-        history = ts.amax_history
-        if math.isfinite(amax):
-            history = ((amax, *history))[: recipe.amax_history_len]
-        window = history[0] if recipe.amax_compute == "most_recent" else max(history, default=0.0)
-        tensors[name] = TensorScale(ts.role, compute_scale(recipe, window, fmt, ts.scale), history)
+        history = np.asarray(ts.amax_history, np.float32) if ops is None else ts.amax_history
+        scale, history = _kernel.update_tensor(o, recipe, ts.role, ts.scale, history, value, skip)
+        if ops is None:
+            scale, history = float(scale), tuple(float(v) for v in history)
+        tensors[name] = TensorScale(ts.role, scale, history)
     return Float8State(tensors)
 
 
-def float8_state_dict(recipe: Float8Recipe, state: Float8State) -> dict[str, Any]:
-    """The neutral JSON-safe state dict (format ``mpx.float8/1``)."""
+def state_dict(recipe: Float8Recipe, state: Float8State) -> dict[str, Any]:
+    """The neutral JSON-safe state dict (format ``mpx.float8/1``) of a state of host values or of any
+    backend's arrays (read to the host here)."""
     return {
         "format": FLOAT8_FORMAT,
         "recipe": recipe.to_dict(),
         "tensors": {
-            name: {"role": ts.role, "scale": ts.scale, "amax_history": list(ts.amax_history)}
+            name: {
+                "role": ts.role,
+                "scale": float(np.asarray(ts.scale, np.float32)),
+                "amax_history": [float(v) for v in np.asarray(ts.amax_history, np.float32).reshape(-1)],
+            }
             for name, ts in state.tensors.items()
         },
     }
@@ -373,7 +376,7 @@ def check_model_state(
     ``load_float8_state_dict(model, d)`` runs it, so a dict fits the same models everywhere.
 
     Args:
-        recipe, state: what :func:`load_float8_state_dict` read.
+        recipe, state: what :func:`load_state_dict` read.
         model_recipe: the recipe the model's FP8 layers share (:func:`one_recipe`); None for a model
             without FP8 layers.
         paths: the FP8 layers' paths; the dict must hold exactly ``tensor_key(path, role)`` for each path
@@ -416,8 +419,8 @@ def _f32_value(where: str, value: Any, *, positive: bool) -> float:
     return v
 
 
-def load_float8_state_dict(data: Mapping[str, Any]) -> tuple[Float8Recipe, Float8State]:
-    """Read :func:`float8_state_dict` back, validating every field (all or nothing).
+def load_state_dict(data: Mapping[str, Any]) -> tuple[Float8Recipe, Float8State]:
+    """Read :func:`state_dict` back (host values), validating every field (all or nothing).
 
     Raises:
         StateDictError: naming the bad field.
@@ -461,3 +464,7 @@ def load_float8_state_dict(data: Mapping[str, Any]) -> tuple[Float8Recipe, Float
         )
         tensors[name] = TensorScale(entry["role"], scale, values)
     return recipe, Float8State(tensors)
+
+
+float8_state_dict = state_dict  # TRANSITIONAL (#30): removed once the backends use state_dict
+load_float8_state_dict = load_state_dict  # TRANSITIONAL (#30)

@@ -16,9 +16,10 @@ from typing import Any
 
 from mpx.dtypes import canonical_dtype, widest_dtype
 from mpx.errors import MPXError
+from mpx.float8 import FP8_OPS
 from mpx.policy import PolicySpec, get_policy
 
-__all__ = ["OP_CATEGORIES", "OP_TABLE", "OpClass", "OpTable", "as_op_table", "classify", "result_dtype"]
+__all__ = ["OP_CATEGORIES", "OP_TABLE", "OpClass", "OpTable", "as_op_table", "classify", "fp8_applies", "result_dtype"]
 
 
 class OpClass(str, enum.Enum):
@@ -133,6 +134,22 @@ class OpTable(Mapping[str, OpClass]):
                 return OpClass.LOWER
         return cls
 
+    def fp8_applies(self, op: str, policy: PolicySpec) -> bool:
+        """Whether ``op`` runs as an FP8 GEMM under ``policy``.
+
+        True when the policy has an ``fp8`` recipe, ``op`` is one of
+        :data:`mpx.float8.FP8_OPS` (linear, matmul, einsum) and this table
+        classifies it LOWER under the policy.  Everything else follows the
+        compute dtype.
+
+        >>> OP_TABLE.fp8_applies("linear", "mixed_bfloat16_fp8"), OP_TABLE.fp8_applies("softmax", "mixed_bfloat16_fp8")
+        (True, False)
+        """
+        pol = get_policy(policy)
+        if pol.fp8 is None or op not in FP8_OPS:
+            return False
+        return self.classify(op, pol) is OpClass.LOWER
+
     def result_dtype(self, op: str, policy: PolicySpec, input_dtypes: Iterable[Any] | str) -> str:
         """The dtype ``op`` returns under ``policy`` for floating inputs of ``input_dtypes``.
 
@@ -188,6 +205,12 @@ def as_op_table(op_table: Any) -> OpTable:
 def classify(op: str, policy: PolicySpec | None = None) -> OpClass:
     """The class of ``op`` in :data:`OP_TABLE` (see :meth:`OpTable.classify`)."""
     return OP_TABLE.classify(op, policy)
+
+
+def fp8_applies(op: str, policy: PolicySpec, op_table: OpTable | None = None) -> bool:
+    """Whether ``op`` runs as an FP8 GEMM under ``policy`` (see :meth:`OpTable.fp8_applies`; ``op_table``
+    default :data:`OP_TABLE`)."""
+    return as_op_table(op_table).fp8_applies(op, policy)
 
 
 def result_dtype(op: str, policy: PolicySpec, input_dtypes: Iterable[Any] | str) -> str:

@@ -31,14 +31,25 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from mpx.dtypes import FLOATING_DTYPES, HALF_DTYPES, canonical_dtype
-from mpx.errors import DTypeError, PolicyError
-from mpx.float8 import FP8_OPS, Float8Error, Float8Recipe
+from mpx.dtypes import HALF_DTYPES
+from mpx.errors import Float8Error, PolicyError
+from mpx.float8 import Float8Recipe
+from mpx.policy_spec import (
+    CATEGORIES,
+    FP8_KEYS,
+    FP8_PRESET_RECIPES,
+    PRESET_ALIASES,
+    PRESET_DTYPES,
+    categories,
+    check_selector,
+    default_keep_fp32,
+    dtype,
+    parse,
+)
 
 __all__ = [
     "CATEGORIES",
@@ -52,105 +63,7 @@ __all__ = [
     "get_policy",
 ]
 
-#: Categories that a selector ``category:NAME`` and the ``keep_fp32`` key may name.
-CATEGORIES: tuple[str, ...] = ("normalization", "softmax", "loss")
-
-#: The preset names, each as (params, compute, output).
-_PRESET_DTYPES: dict[str, tuple[str, str, str]] = {
-    "float32": ("float32", "float32", "float32"),
-    "mixed_float16": ("float32", "float16", "float32"),
-    "mixed_bfloat16": ("float32", "bfloat16", "float32"),
-    "float16": ("float16", "float16", "float16"),
-    "bfloat16": ("bfloat16", "bfloat16", "bfloat16"),
-}
-
-#: The ecosystem's names for the presets: Lightning's ``precision=`` and Accelerate's ``mixed_precision=``.
-PRESET_ALIASES: dict[str, str] = {
-    "32-true": "float32",
-    "16-mixed": "mixed_float16",
-    "bf16-mixed": "mixed_bfloat16",
-    "16-true": "float16",
-    "bf16-true": "bfloat16",
-    "no": "float32",
-    "fp16": "mixed_float16",
-    "bf16": "mixed_bfloat16",
-}
-
-#: The FP8 presets: a dtype preset plus a :class:`mpx.Float8Recipe` (listed apart from :data:`PRESETS`,
-#: the five dtype presets every backend's conformance runs).  ``mixed_bfloat16_fp8`` is Transformer
-#: Engine's default recipe (hybrid, delayed scaling, history 1024, max, margin 0);
-#: ``mixed_bfloat16_fp8_current`` is torchao's (hybrid, current scaling: each tensor's own amax).
-_FP8_PRESET_RECIPES: dict[str, tuple[str, Float8Recipe]] = {
-    "mixed_bfloat16_fp8": ("mixed_bfloat16", Float8Recipe()),
-    "mixed_bfloat16_fp8_current": ("mixed_bfloat16", Float8Recipe(scaling="current")),
-}
-
-#: The FP8 keys of the spec grammar and the :class:`mpx.Float8Recipe` field each one sets
-#: (``fp8`` itself sets ``format``, or ``none`` for no FP8).
-FP8_KEYS: dict[str, str] = {
-    "fp8": "format",
-    "fp8_scaling": "scaling",
-    "fp8_history": "amax_history_len",
-    "fp8_amax": "amax_compute",
-    "fp8_margin": "margin",
-    "fp8_pow2": "power_of_two",
-}
 _FP8_DEFAULT = Float8Recipe()
-
-_SELECTOR = re.compile(r"^[A-Za-z0-9_.*?\[\]!/\-]+$")
-
-
-def _default_keep_fp32(compute_dtype: str) -> tuple[str, ...]:
-    return CATEGORIES if compute_dtype in HALF_DTYPES else ()
-
-
-def _dtype(value: Any, field: str) -> str:
-    try:
-        return canonical_dtype(value, field=field, allowed=FLOATING_DTYPES)
-    except DTypeError as err:
-        raise PolicyError(str(err)) from None
-
-
-def _categories(value: Any) -> tuple[str, ...]:
-    if isinstance(value, str):
-        raise PolicyError(
-            f"keep_fp32: expected a sequence of categories, got the string {value!r}; "
-            f"write ({value!r},) or use the spec form keep_fp32=a+b"
-        )
-    try:
-        items = list(value)
-    except TypeError:
-        raise PolicyError(
-            f"keep_fp32: expected a sequence of categories ({', '.join(CATEGORIES)}), got {value!r}"
-        ) from None
-    seen: set[str] = set()
-    for item in items:
-        if not isinstance(item, str) or item not in CATEGORIES:
-            shown = repr(item) if len(repr(item)) <= 60 else f"a {type(item).__name__}"
-            raise PolicyError(f"keep_fp32: unknown category {shown}; allowed: {', '.join(CATEGORIES)}")
-        if item in seen:
-            raise PolicyError(f"keep_fp32: category {item!r} is named twice")
-        seen.add(item)
-    return tuple(c for c in CATEGORIES if c in seen)
-
-
-def _check_selector(selector: Any) -> str:
-    if not isinstance(selector, str) or not selector:
-        raise PolicyError(f"selector: expected a module-path glob or 'category:NAME', got {selector!r}")
-    if selector.startswith("category:"):
-        name = selector[len("category:") :]
-        if name not in CATEGORIES:
-            raise PolicyError(
-                f"selector: unknown category {name!r} in {selector!r}; "
-                f"allowed: {', '.join('category:' + c for c in CATEGORIES)}"
-            )
-        return selector
-    if not _SELECTOR.match(selector):
-        raise PolicyError(
-            f"selector: {selector!r} is not a module-path glob; allowed characters are "
-            "letters, digits and _ . / - * ? [ ] !"
-        )
-    return selector
 
 
 @dataclass(frozen=True)
@@ -166,7 +79,7 @@ class Override:
     policy: Policy
 
     def __post_init__(self) -> None:
-        _check_selector(self.selector)
+        check_selector(self.selector)
         if not isinstance(self.policy, Policy):
             raise PolicyError(
                 f"override {self.selector!r}: policy must be an mpx.Policy, got {type(self.policy).__name__}"
@@ -225,13 +138,13 @@ class Policy:
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
-        set_(self, "param_dtype", _dtype(self.param_dtype, "params"))
-        set_(self, "compute_dtype", _dtype(self.compute_dtype, "compute"))
-        set_(self, "output_dtype", _dtype(self.output_dtype, "output"))
-        reduce = self.param_dtype if self.reduce_dtype is None else _dtype(self.reduce_dtype, "reduce")
+        set_(self, "param_dtype", dtype(self.param_dtype, "params"))
+        set_(self, "compute_dtype", dtype(self.compute_dtype, "compute"))
+        set_(self, "output_dtype", dtype(self.output_dtype, "output"))
+        reduce = self.param_dtype if self.reduce_dtype is None else dtype(self.reduce_dtype, "reduce")
         set_(self, "reduce_dtype", reduce)
         keep = (
-            _default_keep_fp32(self.compute_dtype) if self.keep_fp32 is None else _categories(self.keep_fp32)
+            default_keep_fp32(self.compute_dtype) if self.keep_fp32 is None else categories(self.keep_fp32)
         )
         set_(self, "keep_fp32", keep)
         if isinstance(self.overrides, (str, Mapping)):
@@ -253,9 +166,9 @@ class Policy:
     @property
     def name(self) -> str | None:
         """The preset name of this policy (``"mixed_float16"``, ``"mixed_bfloat16_fp8"``...), or None."""
-        for name, dtypes in _PRESET_DTYPES.items():
+        for name, dtypes in PRESET_DTYPES.items():
             if (self.param_dtype, self.compute_dtype, self.output_dtype) == dtypes and (
-                self.keep_fp32 == _default_keep_fp32(self.compute_dtype)
+                self.keep_fp32 == default_keep_fp32(self.compute_dtype)
                 and not self.overrides
                 and self.reduce_dtype == self.param_dtype
                 and self.fp8 is None
@@ -265,21 +178,6 @@ class Policy:
             if self == policy:
                 return name
         return None
-
-    def fp8_applies(self, op: str, op_table: Any = None) -> bool:
-        """Whether ``op`` runs as an FP8 GEMM under this policy.
-
-        True when the policy has an ``fp8`` recipe, ``op`` is one of
-        :data:`mpx.float8.FP8_OPS` (linear, matmul, einsum) and ``op_table``
-        (default :data:`mpx.OP_TABLE`) classifies it LOWER.  Everything else
-        follows the compute dtype.
-        """
-        if self.fp8 is None or op not in FP8_OPS:
-            return False
-        from mpx.ops import OP_TABLE, OpClass  # mpx.ops imports this module
-
-        table = OP_TABLE if op_table is None else op_table
-        return table.classify(op, self) is OpClass.LOWER
 
     @property
     def lowers_precision(self) -> bool:
@@ -379,7 +277,7 @@ class Policy:
                 raise PolicyError(
                     f"override {rule['selector']!r}: an override's policy cannot have overrides of its own"
                 )
-            rules.append(Override(_check_selector(rule["selector"]), cls.from_dict(inner)))
+            rules.append(Override(check_selector(rule["selector"]), cls.from_dict(inner)))
         recipe = data.get("fp8")
         if recipe is not None:
             try:
@@ -400,7 +298,7 @@ class Policy:
         text = f"params={self.param_dtype},compute={self.compute_dtype},output={self.output_dtype}"
         if self.reduce_dtype != self.param_dtype:
             text += f",reduce={self.reduce_dtype}"
-        if self.keep_fp32 != _default_keep_fp32(self.compute_dtype):
+        if self.keep_fp32 != default_keep_fp32(self.compute_dtype):
             text += ",keep_fp32=" + ("+".join(self.keep_fp32) or "none")
         if self.fp8 is not None:
             text += _fp8_text(self.fp8)
@@ -415,11 +313,11 @@ class Policy:
 PolicySpec = Policy | str | Mapping[str, Any]
 
 #: The preset policies by name.
-PRESETS: dict[str, Policy] = {name: Policy(*dts) for name, dts in _PRESET_DTYPES.items()}
-#: The FP8 preset policies by name (see ``_FP8_PRESET_RECIPES``): readable wherever a preset is.
+PRESETS: dict[str, Policy] = {name: Policy(*dts) for name, dts in PRESET_DTYPES.items()}
+#: The FP8 preset policies by name (see :data:`mpx.policy_spec.FP8_PRESET_RECIPES`): readable wherever a preset is.
 FP8_PRESETS: dict[str, Policy] = {
     name: dataclasses.replace(PRESETS[base], fp8=recipe)
-    for name, (base, recipe) in _FP8_PRESET_RECIPES.items()
+    for name, (base, recipe) in FP8_PRESET_RECIPES.items()
 }
 
 
@@ -438,7 +336,7 @@ def _as_override(rule: Any) -> Override:
         return rule
     if isinstance(rule, tuple) and len(rule) == 2:
         selector, spec = rule
-        return Override(_check_selector(selector), get_policy(spec))
+        return Override(check_selector(selector), get_policy(spec))
     raise PolicyError(f"overrides: expected an Override or a (selector, spec) pair, got {rule!r}")
 
 
@@ -483,9 +381,10 @@ def get_policy(spec: PolicySpec) -> Policy:
     if isinstance(spec, Policy):
         return spec
     if isinstance(spec, str):
-        from mpx.policy_spec import parse  # the grammar module imports this one
-
-        return parse(spec)
+        name = spec.strip()
+        name = PRESET_ALIASES.get(name, name)
+        preset = PRESETS.get(name) or FP8_PRESETS.get(name)
+        return preset if preset is not None else Policy.from_dict(parse(spec))
     if isinstance(spec, Mapping):
         return Policy.from_dict(spec)
     raise PolicyError(f"policy: expected an mpx.Policy, a spec string or a dict, got {type(spec).__name__}")

@@ -1,39 +1,157 @@
-"""The policy spec grammar: a string (a preset, an ecosystem alias, the key form) read into a Policy.
+"""The policy spec grammar: a string (a preset, an ecosystem alias, the key form) read into a policy dict.
 
-:func:`mpx.get_policy` reads strings through :func:`parse`; this module holds the
-grammar (the keys, their aliases, the FP8 recipe keys, ``@SELECTOR={SPEC}``
-overrides) and every error message about a spec string.
+:func:`mpx.get_policy` reads strings through :func:`parse`, which returns the policy
+in :meth:`mpx.Policy.to_dict` form (``Policy.from_dict`` builds it); this module holds
+the grammar (the keys, their aliases, the FP8 recipe keys, ``@SELECTOR={SPEC}``
+overrides), the preset names and every error message about a spec string.  It sits
+below :mod:`mpx.policy` (which imports it), so it never builds a ``Policy`` itself.
 
->>> str(parse("mixed_bfloat16,reduce=bf16"))
-'params=float32,compute=bfloat16,output=float32,reduce=bfloat16'
->>> parse("p=f32,c=bf16,@head={fp8=none}").for_module("head").compute_dtype
+>>> parse("mixed_bfloat16,reduce=bf16")["reduce_dtype"]
+'bfloat16'
+>>> parse("p=f32,c=bf16,@head={fp8=none}")["overrides"][0]["policy"]["compute_dtype"]
 'bfloat16'
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
-from mpx.errors import PolicyError
+from mpx.dtypes import FLOATING_DTYPES, HALF_DTYPES, canonical_dtype
+from mpx.errors import DTypeError, PolicyError
 from mpx.float8 import Float8Recipe
-from mpx.policy import (
-    _FP8_DEFAULT,
-    _PRESET_DTYPES,
-    CATEGORIES,
-    FP8_KEYS,
-    FP8_PRESETS,
-    PRESET_ALIASES,
-    PRESETS,
-    Override,
-    Policy,
-    _categories,
-    _check_selector,
-    _default_keep_fp32,
-    _dtype,
-)
 
-__all__ = ["GRAMMAR", "parse"]
+__all__ = [
+    "CATEGORIES",
+    "FP8_KEYS",
+    "FP8_PRESET_RECIPES",
+    "GRAMMAR",
+    "PRESET_ALIASES",
+    "PRESET_DTYPES",
+    "categories",
+    "check_selector",
+    "default_keep_fp32",
+    "dtype",
+    "parse",
+]
+
+#: Categories that a selector ``category:NAME`` and the ``keep_fp32`` key may name.
+CATEGORIES: tuple[str, ...] = ("normalization", "softmax", "loss")
+
+#: The preset names, each as (params, compute, output).
+PRESET_DTYPES: dict[str, tuple[str, str, str]] = {
+    "float32": ("float32", "float32", "float32"),
+    "mixed_float16": ("float32", "float16", "float32"),
+    "mixed_bfloat16": ("float32", "bfloat16", "float32"),
+    "float16": ("float16", "float16", "float16"),
+    "bfloat16": ("bfloat16", "bfloat16", "bfloat16"),
+}
+
+#: The ecosystem's names for the presets: Lightning's ``precision=`` and Accelerate's ``mixed_precision=``.
+PRESET_ALIASES: dict[str, str] = {
+    "32-true": "float32",
+    "16-mixed": "mixed_float16",
+    "bf16-mixed": "mixed_bfloat16",
+    "16-true": "float16",
+    "bf16-true": "bfloat16",
+    "no": "float32",
+    "fp16": "mixed_float16",
+    "bf16": "mixed_bfloat16",
+}
+
+#: The FP8 presets: a dtype preset plus a :class:`mpx.Float8Recipe` (listed apart from the five dtype
+#: presets every backend's conformance runs).  ``mixed_bfloat16_fp8`` is Transformer Engine's default
+#: recipe (hybrid, delayed scaling, history 1024, max, margin 0); ``mixed_bfloat16_fp8_current`` is
+#: torchao's (hybrid, current scaling: each tensor's own amax).
+FP8_PRESET_RECIPES: dict[str, tuple[str, Float8Recipe]] = {
+    "mixed_bfloat16_fp8": ("mixed_bfloat16", Float8Recipe()),
+    "mixed_bfloat16_fp8_current": ("mixed_bfloat16", Float8Recipe(scaling="current")),
+}
+
+#: The FP8 keys of the spec grammar and the :class:`mpx.Float8Recipe` field each one sets
+#: (``fp8`` itself sets ``format``, or ``none`` for no FP8).
+FP8_KEYS: dict[str, str] = {
+    "fp8": "format",
+    "fp8_scaling": "scaling",
+    "fp8_history": "amax_history_len",
+    "fp8_amax": "amax_compute",
+    "fp8_margin": "margin",
+    "fp8_pow2": "power_of_two",
+}
+_FP8_DEFAULT = Float8Recipe()
+_SELECTOR = re.compile(r"^[A-Za-z0-9_.*?\[\]!/\-]+$")
+
+
+def default_keep_fp32(compute_dtype: str) -> tuple[str, ...]:
+    """The categories kept in float32 when a policy names none: all for a half compute dtype, else none."""
+    return CATEGORIES if compute_dtype in HALF_DTYPES else ()
+
+
+def dtype(value: Any, field: str) -> str:
+    """``value`` as a canonical floating dtype name (a PolicyError naming ``field`` otherwise)."""
+    try:
+        return canonical_dtype(value, field=field, allowed=FLOATING_DTYPES)
+    except DTypeError as err:
+        raise PolicyError(str(err)) from None
+
+
+def categories(value: Any) -> tuple[str, ...]:
+    """A ``keep_fp32`` sequence validated: known categories, each once, in :data:`CATEGORIES` order."""
+    if isinstance(value, str):
+        raise PolicyError(
+            f"keep_fp32: expected a sequence of categories, got the string {value!r}; "
+            f"write ({value!r},) or use the spec form keep_fp32=a+b"
+        )
+    try:
+        items = list(value)
+    except TypeError:
+        raise PolicyError(
+            f"keep_fp32: expected a sequence of categories ({', '.join(CATEGORIES)}), got {value!r}"
+        ) from None
+    seen: set[str] = set()
+    for item in items:
+        if not isinstance(item, str) or item not in CATEGORIES:
+            shown = repr(item) if len(repr(item)) <= 60 else f"a {type(item).__name__}"
+            raise PolicyError(f"keep_fp32: unknown category {shown}; allowed: {', '.join(CATEGORIES)}")
+        if item in seen:
+            raise PolicyError(f"keep_fp32: category {item!r} is named twice")
+        seen.add(item)
+    return tuple(c for c in CATEGORIES if c in seen)
+
+
+def check_selector(selector: Any) -> str:
+    """An override's selector validated: a module-path glob or ``category:NAME``."""
+    if not isinstance(selector, str) or not selector:
+        raise PolicyError(f"selector: expected a module-path glob or 'category:NAME', got {selector!r}")
+    if selector.startswith("category:"):
+        name = selector[len("category:") :]
+        if name not in CATEGORIES:
+            raise PolicyError(
+                f"selector: unknown category {name!r} in {selector!r}; "
+                f"allowed: {', '.join('category:' + c for c in CATEGORIES)}"
+            )
+        return selector
+    if not _SELECTOR.match(selector):
+        raise PolicyError(
+            f"selector: {selector!r} is not a module-path glob; allowed characters are "
+            "letters, digits and _ . / - * ? [ ] !"
+        )
+    return selector
+
+
+def _policy_dict(params: str, compute: str, output: str, **fields: Any) -> dict[str, Any]:
+    """A policy in ``Policy.to_dict()`` form (``reduce_dtype``/``keep_fp32`` None: the defaults)."""
+    return {
+        "param_dtype": params,
+        "compute_dtype": compute,
+        "output_dtype": output,
+        "reduce_dtype": fields.get("reduce_dtype"),
+        "keep_fp32": fields.get("keep_fp32"),
+        "overrides": fields.get("overrides", []),
+        "fp8": fields.get("fp8"),
+    }
+
 
 _FP8_ALLOWED = {
     "fp8": "hybrid, e4m3 or none",
@@ -118,20 +236,22 @@ def _split_segments(text: str) -> list[str]:
 
 
 def _names() -> str:
-    return ", ".join([*_PRESET_DTYPES, *FP8_PRESETS, *PRESET_ALIASES])
+    return ", ".join([*PRESET_DTYPES, *FP8_PRESET_RECIPES, *PRESET_ALIASES])
 
 
-def _preset(name: str) -> Policy | None:
-    if name in _PRESET_DTYPES:
-        return PRESETS[name]
-    if name in FP8_PRESETS:
-        return FP8_PRESETS[name]
+def _preset(name: str) -> dict[str, Any] | None:
+    """The preset (or alias) ``name`` as a policy dict, or None."""
     if name in PRESET_ALIASES:
-        return PRESETS[PRESET_ALIASES[name]]
+        name = PRESET_ALIASES[name]
+    if name in PRESET_DTYPES:
+        return _policy_dict(*PRESET_DTYPES[name])
+    if name in FP8_PRESET_RECIPES:
+        base, recipe = FP8_PRESET_RECIPES[name]
+        return _policy_dict(*PRESET_DTYPES[base], fp8=recipe.to_dict())
     return None
 
 
-def _parse(text: str, *, nested: bool, parent: Policy | None = None) -> Policy:
+def _parse(text: str, *, nested: bool, parent: dict[str, Any] | None = None) -> dict[str, Any]:
     """Parse a spec; ``parent``: the policy an override's spec (``nested``) starts from when it names no
     dtype (``@head={fp8=none}`` is the parent without FP8)."""
     spec = text.strip()
@@ -165,7 +285,7 @@ def _parse(text: str, *, nested: bool, parent: Policy | None = None) -> Policy:
             selector, body = selector.strip(), body.strip()
             if not sep or not (body.startswith("{") and body.endswith("}")):
                 raise PolicyError(f"policy spec {spec!r}: override {segment!r} must read @SELECTOR={{SPEC}}")
-            bodies.append((_check_selector(selector), body[1:-1]))
+            bodies.append((check_selector(selector), body[1:-1]))
             continue
         key, sep, value = segment.partition("=")
         key, value = key.strip(), value.strip()
@@ -197,22 +317,22 @@ def _parse(text: str, *, nested: bool, parent: Policy | None = None) -> Policy:
                 f"policy spec {spec!r}: names no dtype; give at least one of params, compute, output, reduce"
                 + (" (only an override's spec starts from its parent)" if values.keys() & FP8_KEYS else "")
             )
-        base = dataclasses.replace(parent, overrides=())  # an override naming no dtype: the parent, then keys
+        base = {**parent, "overrides": []}  # an override naming no dtype: the parent, then keys
     keep: tuple[str, ...] | None = None
     if base is not None:
         values = {
-            "params": base.param_dtype,
-            "compute": base.compute_dtype,
-            "output": base.output_dtype,
+            "params": base["param_dtype"],
+            "compute": base["compute_dtype"],
+            "output": base["output_dtype"],
         } | values
-        if "reduce" not in values and base.reduce_dtype != base.param_dtype:
-            values["reduce"] = base.reduce_dtype
-        if base.keep_fp32 != _default_keep_fp32(base.compute_dtype):
-            keep = base.keep_fp32
-    params = _dtype(values.get("params", "float32"), "params")
-    compute = _dtype(values.get("compute", params), "compute")
-    output = _dtype(values.get("output", compute), "output")
-    reduce = _dtype(values["reduce"], "reduce") if "reduce" in values else None
+        if "reduce" not in values and base["reduce_dtype"] not in (None, base["param_dtype"]):
+            values["reduce"] = base["reduce_dtype"]
+        if base["keep_fp32"] is not None and tuple(base["keep_fp32"]) != default_keep_fp32(base["compute_dtype"]):
+            keep = tuple(base["keep_fp32"])
+    params = dtype(values.get("params", "float32"), "params")
+    compute = dtype(values.get("compute", params), "compute")
+    output = dtype(values.get("output", compute), "output")
+    reduce = dtype(values["reduce"], "reduce") if "reduce" in values else None
     if "keep_fp32" in values:
         raw_keep = values["keep_fp32"]
         if raw_keep == "none":
@@ -224,17 +344,26 @@ def _parse(text: str, *, nested: bool, parent: Policy | None = None) -> Policy:
                     f"keep_fp32: {raw_keep!r} has an empty name; write categories joined by '+' "
                     f"({'+'.join(CATEGORIES)}) or 'none'"
                 )
-            keep = _categories([part.strip() for part in parts])
-    recipe = _fp8_recipe(spec, values, None if base is None else base.fp8)
-    policy = Policy(params, compute, output, keep_fp32=keep, reduce_dtype=reduce, fp8=recipe)
-    if not bodies:
-        return policy
-    rules = tuple(Override(sel, _parse(body, nested=True, parent=policy)) for sel, body in bodies)
-    return dataclasses.replace(policy, overrides=rules)
+            keep = categories([part.strip() for part in parts])
+    base_recipe = None if base is None or base["fp8"] is None else Float8Recipe.from_dict(base["fp8"])
+    recipe = _fp8_recipe(spec, values, base_recipe)
+    if recipe is not None and compute == "float64":
+        raise PolicyError(
+            "fp8: FP8 GEMMs need a compute dtype of float32, bfloat16 or float16 "
+            "(the GEMM returns the compute dtype), got float64"
+        )
+    policy = _policy_dict(
+        params, compute, output,
+        reduce_dtype=reduce, keep_fp32=None if keep is None else list(keep),
+        fp8=None if recipe is None else recipe.to_dict(),
+    )  # fmt: skip
+    rules = [{"selector": sel, "policy": _parse(body, nested=True, parent=policy)} for sel, body in bodies]
+    return {**policy, "overrides": rules}
 
 
-def parse(text: str) -> Policy:
-    """The policy a spec string names (see :func:`mpx.get_policy` for the grammar).
+def parse(text: str) -> dict[str, Any]:
+    """The policy a spec string names, in :meth:`mpx.Policy.to_dict` form (see :func:`mpx.get_policy` for
+    the grammar); ``reduce_dtype`` and ``keep_fp32`` are None where the spec leaves them to the defaults.
 
     Raises:
         PolicyError: naming the bad token and what is allowed.

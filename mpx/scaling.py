@@ -1,11 +1,12 @@
-"""The loss-scaling state machine: configuration, state, the reference transition.
+"""The loss-scaling state machine: configuration, state, the transition on host values, state dicts.
 
-Every backend's scaler runs exactly :func:`scaler_update`.  The scale is a
-float32 value; each product is computed as torch's CPU kernel
-(``torch._amp_update_scale_``) computes it, ``float32(float64(scale) *
-float64(factor))``: one float64 product, rounded to float32.  Backends without
-float64 evaluate :func:`product_bits` (integer arithmetic on the float32 bits,
-exact).  The scale never drops below :data:`SCALE_FLOOR` (the smallest positive
+Every backend's scaler runs exactly :func:`scaler_update`: it is the one kernel,
+:func:`mpx.kernels.scale.update`, which this module runs with the numpy table and
+each backend runs with its own arrays.  The scale is a float32 value; each product
+is computed as torch's CPU kernel (``torch._amp_update_scale_``) computes it,
+``float32(float64(scale) * float64(factor))``: one float64 product, rounded to
+float32 (tables without float64 evaluate it exactly in int32 arithmetic,
+:func:`mpx.kernels.scale.product_bits`).  The scale never drops below :data:`SCALE_FLOOR` (the smallest positive
 normal float32), even with ``min_scale=None``, and the counters saturate at
 :data:`COUNTER_MAX` (2**31 - 1), so every backend holds them in int32.
 
@@ -28,6 +29,12 @@ from typing import Any, Literal
 import numpy as np
 
 from mpx.errors import MPXError, ScalerConfigError, StateDictError
+from mpx.kernels import scale as _kernel
+from mpx.kernels.array_ops import NUMPY_OPS
+
+#: The largest value of every counter (steps, skipped_steps, consecutive_nonfinite, and of
+#: growth_interval and hysteresis): int32's max, which every backend holds.  Counters saturate there.
+COUNTER_MAX = _kernel.COUNTER_MAX
 
 __all__ = [
     "BACKOFF_FACTOR_MIN",
@@ -36,13 +43,10 @@ __all__ = [
     "SCALE_FLOOR",
     "STATE_DICT_FORMAT",
     "FactorSplit",
-    "LossScaler",
     "ScalerConfig",
     "ScalerState",
     "as_scaler_config",
     "load_state_dict",
-    "product_bits",
-    "scale_product",
     "scaler_init",
     "scaler_update",
     "split_factor",
@@ -58,14 +62,9 @@ _F32_MAX = float(np.finfo(np.float32).max)
 #: The smallest scale there is: the smallest positive normal float32, 2**-126.  Every
 #: scale (init, bounds, a loaded state) is at least this, and a backoff never goes below it.
 SCALE_FLOOR = 2.0**-126
-#: The largest value of every counter (steps, skipped_steps, consecutive_nonfinite, and of
-#: growth_interval and hysteresis): int32's max, which every backend holds (torch's kernel
-#: keeps its growth tracker in an int32, JAX int32 by default).  Counters saturate there.
-COUNTER_MAX = 2**31 - 1
 #: The largest growth_factor and the smallest backoff_factor a config accepts.
 GROWTH_FACTOR_MAX = 2.0**32
 BACKOFF_FACTOR_MIN = 2.0**-32
-INF_BITS = 0x7F800000
 
 
 def f32(x: float) -> float:
@@ -74,21 +73,11 @@ def f32(x: float) -> float:
         return float(np.float32(x))
 
 
-def scale_product(scale: float, factor: float) -> float:
-    """``float32(float64(scale) * float64(factor))`` as a Python float (inf on overflow).
-
-    torch's rule (its CPU ``_amp_update_scale_`` kernel multiplies the float32
-    scale by the factor as doubles, then stores a float32): one product in
-    float64, one rounding to float32 (nearest, ties to even; subnormals kept).
-    """
-    return f32(float(scale) * float(factor))
-
-
 @dataclass(frozen=True)
 class FactorSplit:
     """A factor as ``mantissa * 2**exponent``, ``mantissa`` a 53-bit int given as five 12-bit limbs.
 
-    ``limbs`` is low limb first; the constants :func:`product_bits` needs.
+    ``limbs`` is low limb first; the constants :func:`mpx.kernels.scale.product_bits` needs.
     """
 
     limbs: tuple[int, int, int, int, int]
@@ -96,60 +85,12 @@ class FactorSplit:
 
 
 def split_factor(factor: float) -> FactorSplit:
-    """The exact split of a positive finite float64 ``factor`` for :func:`product_bits`."""
+    """The exact split of a positive finite float64 ``factor`` for :func:`mpx.kernels.scale.product_bits`."""
     mant, exp = math.frexp(float(factor))
     if not (mant > 0 and math.isfinite(mant)):
         raise ScalerConfigError(f"factor: expected a positive finite number, got {factor!r}")
     m = int(mant * 2.0**53)  # exact: a float64 mantissa has 53 bits
     return FactorSplit(tuple((m >> (12 * k)) & 0xFFF for k in range(5)), exp - 53)  # type: ignore[arg-type]
-
-
-def product_bits(bits: Any, split: FactorSplit, where: Any) -> Any:
-    """The int32 bits of ``scale_product(scale, factor)``, from int32 operations only.
-
-    ``bits`` is the int32 bit pattern of a normal positive float32 scale (an
-    array of any backend: numpy, jax, tf with operators), ``split`` the
-    :func:`split_factor` of the factor, ``where`` the backend's
-    ``where(cond, a, b)``.  The exact 77-bit product of the mantissas is
-    built from 12-bit limbs (every intermediate below 2**27), rounded to 53
-    bits (float64) and then to 24 bits (float32), both to nearest even, as the
-    float64 product does.  Returns the bits of +inf when the result overflows
-    float32, and 0 when it lies below :data:`SCALE_FLOOR` (callers floor the
-    scale there, so its subnormal value never matters).
-    """
-    exp_a = bits >> 23
-    ma = (bits & 0x7FFFFF) | 0x800000
-    a0, a1 = ma & 0xFFF, ma >> 12
-    b0, b1, b2, b3, b4 = split.limbs
-    columns = (a0 * b0, a1 * b0 + a0 * b1, a1 * b1 + a0 * b2, a1 * b2 + a0 * b3, a1 * b3 + a0 * b4, a1 * b4)
-    p: list[Any] = []
-    carry: Any = 0
-    for column in columns:
-        t = column + carry
-        p.append(t & 0xFFF)
-        carry = t >> 12
-    p.append(carry)  # the product has 76 or 77 bits: p[6] < 2**5
-    short = p[6] < 16  # 76 bits: shift left once, so 77 bits = 24 dropped + 53 kept
-    q = [where(short, ((p[k] << 1) & 0xFFF) | ((p[k - 1] >> 11) if k else 0), p[k]) for k in range(7)]
-    # round to 53 bits (float64): drop q[0], q[1]
-    dropped = (q[1] << 12) | q[0]
-    up = (dropped > 0x800000) | ((dropped == 0x800000) & ((q[2] & 1) == 1))
-    carry = where(up, 1, 0)
-    for k in range(2, 7):
-        t = q[k] + carry
-        q[k] = t & 0xFFF if k < 6 else t
-        carry = t >> 12
-    # round those 53 bits to 24 (float32): drop the low 29
-    r = (q[4] >> 5) | (q[5] << 7) | (q[6] << 19)
-    rest = q[2] | (q[3] << 12) | ((q[4] & 31) << 24)
-    up = (rest > 0x10000000) | ((rest == 0x10000000) & ((r & 1) == 1))
-    r = r + where(up, 1, 0)
-    over = r >> 24  # 1 when rounding carried to 2**24
-    r = r >> over
-    field = exp_a + (split.exponent + 53) - where(short, 1, 0) + over
-    safe = where(field > 254, 254, where(field < 1, 1, field))
-    normal = (safe << 23) | (r & 0x7FFFFF)
-    return where(field > 254, INF_BITS, where(field < 1, 0, normal))
 
 
 def _is_number(value: Any) -> bool:
@@ -213,7 +154,7 @@ class ScalerConfig:
 
     Scales (``init_scale``, ``min_scale``, ``max_scale``) act as float32
     values and must lie in [2**-126, float32's max]; the factors are used as
-    float64 values (torch's rule, see :func:`scale_product`).
+    float64 values (torch's rule: ``float32(float64(scale) * float64(factor))``).
 
     Raises:
         ScalerConfigError: naming the field and its allowed range.
@@ -395,43 +336,31 @@ def scaler_init(config: ScalerConfig) -> ScalerState:
 
 
 def scaler_update(config: ScalerConfig, state: ScalerState, finite: bool) -> ScalerState:
-    """The reference transition after one step whose gradients were ``finite`` (pure).
+    """The transition after one step whose gradients were ``finite`` (pure; host values).
 
-    A step is skipped (its update not applied) when it is not finite and
-    ``config.skip_nonfinite``.  A dynamic scale grows by ``growth_factor`` on the
-    ``growth_interval``-th finite step in a row, up to ``max_scale`` (and never
-    to a non-finite float32), and backs off by ``backoff_factor`` once
-    ``hysteresis`` non-finite steps have come in a row, down to ``min_scale``
-    (:data:`SCALE_FLOOR` for None).  Each product is :func:`scale_product`.
-    The counters saturate at :data:`COUNTER_MAX`.
+    :func:`mpx.kernels.scale.update` run with the numpy table, the kernel every backend
+    runs on its own arrays.  A step is skipped (its update not applied) when it is not
+    finite and ``config.skip_nonfinite``.  A dynamic scale grows by ``growth_factor`` on the
+    ``growth_interval``-th finite step in a row, up to ``max_scale`` (and never to a
+    non-finite float32), and backs off by ``backoff_factor`` once ``hysteresis`` non-finite
+    steps have come in a row, down to ``min_scale`` (:data:`SCALE_FLOOR` for None).  Each
+    product is ``float32(float64(scale) * float64(factor))``.  The counters saturate at
+    :data:`COUNTER_MAX`.
+
+    Raises:
+        MPXError: when ``finite`` is not a bool.
     """
     if not isinstance(finite, (bool, np.bool_)):
         raise MPXError(f"finite: expected a bool, got {finite!r} ({type(finite).__name__})")
-    finite = bool(finite)
-    skipped = (not finite) and config.skip_nonfinite
-    scale = state.scale
-    tracker = state.growth_tracker
-    consecutive = 0 if finite else min(state.consecutive_nonfinite + 1, COUNTER_MAX)
-    if config.kind == "dynamic":
-        lo, hi = config.bounds
-        if finite:
-            tracker += 1
-            if tracker == config.growth_interval:
-                grown = scale_product(scale, config.growth_factor)
-                if math.isfinite(grown):
-                    scale = min(grown, hi)
-                tracker = 0
-        else:
-            tracker = 0
-            if consecutive >= config.hysteresis:
-                scale = max(scale_product(scale, config.backoff_factor), lo)
-    return ScalerState(
-        scale=scale,
-        growth_tracker=tracker,
-        consecutive_nonfinite=consecutive,
-        steps=min(state.steps + 1, COUNTER_MAX),
-        skipped_steps=min(state.skipped_steps + int(skipped), COUNTER_MAX),
+    o = NUMPY_OPS
+    arrays = _kernel.ScaleState(
+        o.float32(state.scale), *(o.int32(getattr(state, name)) for name in _COUNTERS_IN_ORDER)
     )
+    out = _kernel.update(o, config, arrays, np.bool_(finite))
+    return ScalerState(float(out.scale), *(int(v) for v in out[1:]))
+
+
+_COUNTERS_IN_ORDER = ("growth_tracker", "consecutive_nonfinite", "steps", "skipped_steps")
 
 
 # -- state dicts -----------------------------------------------------------------
@@ -526,61 +455,4 @@ def load_state_dict(data: Mapping[str, Any]) -> tuple[ScalerConfig, ScalerState]
     return config, state
 
 
-class LossScaler:
-    """The state machine for eager use: holds a config and the current state.
-
-    >>> scaler = LossScaler(ScalerConfig(growth_interval=1))
-    >>> _ = scaler.update(True)
-    >>> scaler.scale
-    131072.0
-    >>> LossScaler.from_state_dict(scaler.state_dict()).state == scaler.state
-    True
-    """
-
-    def __init__(self, config: ScalerConfig | Mapping[str, Any] | str | None = None) -> None:
-        config = as_scaler_config(config)
-        self._config = config
-        self._state = scaler_init(config)
-
-    @property
-    def config(self) -> ScalerConfig:
-        """The configuration (read-only)."""
-        return self._config
-
-    @property
-    def state(self) -> ScalerState:
-        """The current state (an immutable value)."""
-        return self._state
-
-    @property
-    def scale(self) -> float:
-        """The current loss scale, a float32 value."""
-        return self._state.scale
-
-    def get_scale(self) -> float:
-        """The current loss scale as a Python float (every backend's scaler has this method)."""
-        return self._state.scale
-
-    def update(self, finite: bool) -> bool:
-        """Advance one step; returns True when this step's update must be skipped."""
-        before = self._state.skipped_steps
-        self._state = scaler_update(self._config, self._state, finite)
-        return self._state.skipped_steps != before
-
-    def state_dict(self) -> dict[str, Any]:
-        """The neutral JSON-safe state dict (format ``mpx.scaler/1``)."""
-        return state_dict(self._config, self._state)
-
-    def load_state_dict(self, data: Mapping[str, Any]) -> None:
-        """Restore config and state from a state dict; on error nothing changes."""
-        self._config, self._state = load_state_dict(data)
-
-    @classmethod
-    def from_state_dict(cls, data: Mapping[str, Any]) -> LossScaler:
-        """A scaler resumed from a state dict."""
-        scaler = cls()
-        scaler.load_state_dict(data)
-        return scaler
-
-    def __repr__(self) -> str:
-        return f"LossScaler(kind={self._config.kind!r}, scale={self.scale}, steps={self._state.steps})"
+from mpx._transition import INF_BITS, product_bits, scale_product  # noqa: E402, F401  TRANSITIONAL (#30)

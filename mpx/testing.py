@@ -4,8 +4,10 @@ mpx's promise is one vocabulary: torch's ``GradScaler``, the Keras
 ``LossScaleOptimizer`` and JAX's ``LossScale`` take the same config forms, give
 the current scale with ``get_scale()`` (a Python float) and the state as an
 :class:`mpx.ScalerState`, multiply a loss with ``scale(...)``, save and load
-``mpx.scaler/1`` dicts with ``state_dict()``/``load_state_dict()``, and raise
-the same error for the same misuse.  This module writes that contract down once;
+``mpx.scaler/1`` dicts with ``state_dict()``/``load_state_dict(state_dict)``,
+record their history with ``record_history()``/``history()``, say whether the
+last step was skipped with ``last_step_skipped()``, and raise the same error for
+the same misuse.  This module writes that contract down once;
 each backend's ``tests/<backend>/test_surface.py`` runs every check in
 :data:`SURFACE_CHECKS` with a small :class:`ScalerAdapter` that knows how to make
 a scaler and run one optimizer step in that framework.  It imports no framework
@@ -25,8 +27,24 @@ from mpx.scaling import ScalerConfig, ScalerState, as_scaler_config, scaler_init
 
 __all__ = ["SURFACE_CHECKS", "SURFACE_NAMES", "ScalerAdapter"]
 
-#: The public names every backend's scaler object has, with the same meaning.
-SURFACE_NAMES = ("config", "state", "get_scale", "scale", "state_dict", "load_state_dict")
+#: The public names every backend's scaler object has, with the same meaning.  The methods among them:
+#: ``get_scale()`` (a Python float), ``scale(x)`` (``x`` times the scale), ``state_dict()``,
+#: ``load_state_dict(state_dict)``, ``record_history(enabled=True, *, capacity=65536)`` (start or stop
+#: recording the state after each step, on device), ``history()`` (an :class:`mpx.ScalerHistory`) and
+#: ``last_step_skipped()`` (a bool scalar of the framework: no host read).
+SURFACE_NAMES = (
+    "config",
+    "state",
+    "get_scale",
+    "scale",
+    "state_dict",
+    "load_state_dict",
+    "record_history",
+    "history",
+    "last_step_skipped",
+)
+#: The methods of :data:`SURFACE_NAMES` whose parameters every backend names alike (checked by signature).
+SURFACE_PARAMETERS = {"load_state_dict": ("state_dict",), "record_history": ("enabled", "capacity")}
 
 
 class ScalerAdapter(Protocol):
@@ -46,7 +64,8 @@ class ScalerAdapter(Protocol):
         """``scaler.load_state_dict(data)``."""
 
     def history(self, config: ScalerConfig, flags: list[bool]) -> ScalerHistory:
-        """The backend's recorded history of a fresh scaler over ``flags`` steps."""
+        """The backend's recorded history of a fresh scaler over ``flags`` steps (``record_history()``,
+        the steps, ``history()``)."""
 
 
 def _raises(error: type[BaseException], match: str, fn: Callable[[], Any]) -> BaseException:
@@ -59,10 +78,17 @@ def _raises(error: type[BaseException], match: str, fn: Callable[[], Any]) -> Ba
 
 
 def check_names(adapter: ScalerAdapter) -> None:
+    import inspect
+
     scaler = adapter.make(None)
-    missing = [name for name in SURFACE_NAMES if not hasattr(scaler, name)]
+    missing = [name for name in SURFACE_NAMES if not hasattr(type(scaler), name) and not hasattr(scaler, name)]
     assert not missing, f"{type(scaler).__name__} lacks {missing}"
-    assert callable(scaler.get_scale) and callable(scaler.scale)
+    for name in ("get_scale", "scale", "state_dict", "load_state_dict", "record_history", "history",
+                 "last_step_skipped"):  # fmt: skip
+        assert callable(getattr(scaler, name)), f"{type(scaler).__name__}.{name} is not a method"
+    for name, wanted in SURFACE_PARAMETERS.items():
+        params = list(inspect.signature(getattr(scaler, name)).parameters)
+        assert params[: len(wanted)] == list(wanted), f"{type(scaler).__name__}.{name}{tuple(params)}: want {wanted}"
 
 
 def check_config_forms(adapter: ScalerAdapter) -> None:
@@ -142,6 +168,15 @@ def check_history(adapter: ScalerAdapter) -> None:
     assert adapter.history(config, flags) == ScalerHistory.reference(config, flags)
 
 
+def check_skip_flag(adapter: ScalerAdapter) -> None:
+    for config in (ScalerConfig(init_scale=8.0), ScalerConfig(init_scale=8.0, skip_nonfinite=False)):
+        scaler = adapter.make(config)
+        for finite in (True, False, False, True):
+            scaler = adapter.step(scaler, finite)
+            skipped = scaler.last_step_skipped()
+            assert bool(skipped) is ((not finite) and config.skip_nonfinite), (config.skip_nonfinite, finite)
+
+
 #: Every check, by name: ``@pytest.mark.parametrize("check", SURFACE_CHECKS.values(), ids=SURFACE_CHECKS)``.
 SURFACE_CHECKS: dict[str, Callable[[ScalerAdapter], None]] = {
     "names": check_names,
@@ -154,4 +189,5 @@ SURFACE_CHECKS: dict[str, Callable[[ScalerAdapter], None]] = {
     "bad_state_dict_changes_nothing": check_bad_state_dict_changes_nothing,
     "stuck": check_stuck,
     "history": check_history,
+    "skip_flag": check_skip_flag,
 }

@@ -198,7 +198,7 @@ class Rules:
         self.table = table
         self.compute = compute if compute is not None else mpx.numpy_dtype(policy.compute_dtype)
         #: the FP8 recipe of the LOWER dots (None: no FP8 here, as in a nested float32 region)
-        self.fp8: Float8Recipe | None = policy.fp8 if fp8 and policy.fp8_applies("matmul", table) else None
+        self.fp8: Float8Recipe | None = policy.fp8 if fp8 and mpx.ops.as_op_table(table).fp8_applies("matmul", policy) else None
 
     def fp8_dot(self, eqn: Any) -> bool:
         """Whether a LOWER equation runs as an FP8 GEMM: a ``dot_general`` without batch dimensions

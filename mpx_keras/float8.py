@@ -253,7 +253,7 @@ def convert(
             continue
         plain, fp8_class, op = target
         own = root.for_module(path, category_of(layer))
-        recipe = own.fp8 if own.fp8_applies(op, table) else None
+        recipe = own.fp8 if mpx.ops.as_op_table(table).fp8_applies(op, own) else None
         where = path or layer.name
         if recipe is not None and (getattr(layer, "lora_enabled", False) or layer.quantization_mode):
             raise MPXError(f"layer {where!r}: FP8 cannot run on a layer with LoRA or Keras quantization.")

@@ -50,6 +50,7 @@ from mpx import (
 from mpx.float8 import ROLES, Float8State, TensorScale, check_model_state, fp8_max, one_recipe, tensor_key
 from mpx.float8 import float8_state_dict as _core_state_dict
 from mpx.float8 import load_float8_state_dict as _core_load
+from mpx.ops import as_op_table
 from mpx_torch import _float8_ops
 from mpx_torch._float8_ops import current_scales, delayed_scales
 from mpx_torch._float8_ops import quantize as quantize
@@ -239,7 +240,7 @@ def convert(
         if type(sub) is not nn.Linear and not isinstance(sub, Float8Linear):
             continue
         own = root.for_module(path, module_category(sub))
-        recipe = own.fp8 if own.fp8_applies("linear", op_table) else None
+        recipe = own.fp8 if as_op_table(op_table).fp8_applies("linear", own) else None
         if recipe is None:
             if isinstance(sub, Float8Linear):
                 _revert(sub)

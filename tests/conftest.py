@@ -1,8 +1,18 @@
-"""Fixtures every suite shares; this file imports no framework."""
+"""Fixtures every suite shares; this file imports no framework.
+
+It also puts this folder on ``sys.path`` for the one helper module the suites share,
+``kernel_parity`` (the kernels' parity checks each backend runs against numpy).
+"""
+
+import sys
+from pathlib import Path
 
 import pytest
 
 import mpx.advice
+
+if str(Path(__file__).parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).parent))
 
 
 @pytest.fixture

@@ -27,7 +27,7 @@ def test_steps_1_is_the_plain_scaler():
     want = []
     for f in flags:
         scaler.update(f)
-        want.append({"applied": f, "scale": scaler.scale})
+        want.append({"applied": f, "scale": scaler.get_scale()})
     assert mpx.accumulation_trace(cfg, flags, 1) == want
 
 
@@ -49,7 +49,7 @@ def test_trace_is_the_scaler_over_window_flags(steps, windows, interval):
     scaler = mpx.LossScaler(cfg)
     for good, w in zip(windows, trace, strict=True):
         scaler.update(good)
-        assert w["scale"] == scaler.scale
+        assert w["scale"] == scaler.get_scale()
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.0, 2.5, True, np.bool_(True), "2", None])

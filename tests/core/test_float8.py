@@ -16,14 +16,14 @@ from mpx.float8 import (
     Float8Recipe,
     compute_scale,
     float8_init,
-    float8_state_dict,
     float8_update,
     fp8_dot,
     fp8_max,
-    load_float8_state_dict,
+    load_state_dict,
     quantize,
     reduce_amaxes,
     scale_inv,
+    state_dict,
 )
 
 F32_MAX = float(np.finfo(np.float32).max)
@@ -193,9 +193,9 @@ def test_state_dict_round_trip_through_json():
     s = float8_update(
         r, float8_init(r, {"fc.input": "input", "fc.grad": "grad"}), {"fc.input": 3.5, "fc.grad": 0.1}
     )
-    d = float8_state_dict(r, s)
+    d = state_dict(r, s)
     assert d["format"] == "mpx.float8/1"
-    assert load_float8_state_dict(json.loads(json.dumps(d))) == (r, s)
+    assert load_state_dict(json.loads(json.dumps(d))) == (r, s)
 
 
 @pytest.mark.parametrize(
@@ -220,10 +220,10 @@ def test_state_dict_round_trip_through_json():
 )
 def test_state_dict_refuses_bad_fields(mutate, match):
     r = Float8Recipe(amax_history_len=2)
-    d = float8_state_dict(r, float8_update(r, float8_init(r, {"x": "input"}), {"x": 2.0}))
+    d = state_dict(r, float8_update(r, float8_init(r, {"x": "input"}), {"x": 2.0}))
     mutate(d)
     with pytest.raises(mpx.StateDictError, match=match):
-        load_float8_state_dict(d)
+        load_state_dict(d)
 
 
 @pytest.mark.parametrize("margin", [0, 1, 30, 1023, 1024, 5000, 2**31 - 1])

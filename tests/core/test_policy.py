@@ -459,13 +459,13 @@ def test_fp8_is_a_keyword_only_field_and_policies_differ_by_it():
 
 def test_fp8_applies_to_lower_gemms_only():
     p = get_policy("mixed_bfloat16_fp8")
-    assert [op for op in mpx.OP_TABLE if p.fp8_applies(op)] == ["matmul", "linear", "einsum"]
+    assert [op for op in mpx.OP_TABLE if mpx.OP_TABLE.fp8_applies(op, p)] == ["matmul", "linear", "einsum"]
     assert mpx.FP8_OPS == ("linear", "matmul", "einsum")
     for op in ("conv", "bmm", "attention", "softmax", "layer_norm", "add", "relu"):
-        assert not p.fp8_applies(op)
-    assert not get_policy("mixed_bfloat16").fp8_applies("linear")
+        assert not mpx.OP_TABLE.fp8_applies(op, p)
+    assert not mpx.OP_TABLE.fp8_applies("linear", get_policy("mixed_bfloat16"))
     table = mpx.OP_TABLE.replace(matmul=mpx.OpClass.FLOAT32)
-    assert not p.fp8_applies("matmul", table) and p.fp8_applies("linear", table)
+    assert not table.fp8_applies("matmul", p) and table.fp8_applies("linear", p)
     # the float32 rules of keep_fp32 never carry FP8
     for category in ALL3:
         sub = p.for_module("m", category)
@@ -514,7 +514,7 @@ def test_fp8_only_in_an_override():
 )
 def test_fp8_with_float32_and_pure_half_policies(spec, recipe):
     p = get_policy(spec)
-    assert p.fp8 == recipe and p.fp8_applies("linear")
+    assert p.fp8 == recipe and mpx.OP_TABLE.fp8_applies("linear", p)
     assert get_policy(str(p)) == p
 
 

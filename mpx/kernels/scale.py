@@ -1,0 +1,200 @@
+"""The loss-scaling state machine's transition, once for every backend (:func:`mpx.scaler_update`'s rule).
+
+:func:`update` takes the five state values as the backend's arrays (a float32 scale, four
+int32 counters) and a bool scalar, and returns the five after the step, with selects and
+integer arithmetic only: no Python branch on a value, so it traces into one compiled step
+(jit, ``tf.function``, dynamo) that a changing scale never recompiles.  A branch on the
+*config* is static, as a shape is.
+
+Each scale product is torch's, ``float32(float64(scale) * float64(factor))``: in float64
+where the table has it, else :func:`product_bits` (int32 arithmetic on the scale's bits,
+exact, the same float32).  The scale never leaves ``config.bounds``; the counters saturate
+at :data:`COUNTER_MAX`.
+
+>>> from mpx.kernels.array_ops import NUMPY_OPS as o
+>>> from mpx.scaling import ScalerConfig
+>>> s = initial(o, ScalerConfig(growth_interval=1))
+>>> float(update(o, ScalerConfig(growth_interval=1), s, True).scale)
+131072.0
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Protocol
+
+from mpx.kernels.array_ops import ArrayOps
+from mpx.kernels.bits import INF_BITS, TINY_BITS, bits_of, from_bits, to_bits
+
+__all__ = [
+    "COUNTER_MAX",
+    "ScaleState",
+    "ScalerRule",
+    "bump",
+    "initial",
+    "product_bits",
+    "scale_product_bits",
+    "update",
+]
+
+#: The largest value of every counter: int32's max, which every backend holds.
+COUNTER_MAX = 2**31 - 1
+
+
+class FactorLimbs(Protocol):
+    """A factor as ``mantissa * 2**exponent``, the 53-bit mantissa as five 12-bit limbs (low first)."""
+
+    limbs: tuple[int, int, int, int, int]
+    exponent: int
+
+
+class ScalerRule(Protocol):
+    """What the kernel reads of an :class:`mpx.ScalerConfig`."""
+
+    kind: str
+    growth_interval: int
+    hysteresis: int
+    skip_nonfinite: bool
+    growth_factor: float
+    backoff_factor: float
+
+    @property
+    def first_scale(self) -> float: ...
+
+    @property
+    def bounds(self) -> tuple[float, float]: ...
+
+    @property
+    def growth_split(self) -> FactorLimbs: ...
+
+    @property
+    def backoff_split(self) -> FactorLimbs: ...
+
+
+class ScaleState(NamedTuple):
+    """The scaler's state as a backend's arrays: float32 ``scale``, int32 counters."""
+
+    scale: Any
+    growth_tracker: Any
+    consecutive_nonfinite: Any
+    steps: Any
+    skipped_steps: Any
+
+
+def initial(o: ArrayOps, config: ScalerRule) -> ScaleState:
+    """The state before the first step, as the table's arrays."""
+    return ScaleState(o.float32(config.first_scale), *(o.int32(0) for _ in range(4)))
+
+
+def bump(o: ArrayOps, counter: Any, by: Any = True) -> Any:
+    """``counter + 1`` where ``by`` (a bool, traced or not) holds, saturating at :data:`COUNTER_MAX`."""
+    grow = o.lt(counter, COUNTER_MAX)
+    if by is not True:
+        grow = o.logical_and(grow, by)
+    return o.add(counter, o.cast(grow, "int32"))
+
+
+def product_bits(o: ArrayOps, bits: Any, split: FactorLimbs) -> Any:
+    """The int32 bits of ``float32(float64(scale) * factor)`` from int32 operations only.
+
+    ``bits``: the int32 bits of a normal positive float32 ``scale``; ``split``: the factor's
+    :func:`mpx.scaling.split_factor`.  The exact 77-bit product of the mantissas is built
+    from 12-bit limbs (every intermediate below 2**27), rounded to 53 bits (float64) and
+    then to 24 (float32), both to nearest even, as the float64 product is.  Returns the bits
+    of +inf when the result overflows float32, and 0 when it lies below 2**-126 (callers
+    floor the scale there, so its subnormal value never matters).
+    """
+    exp_a = o.shr(bits, 23)
+    ma = o.bit_or(o.bit_and(bits, 0x7FFFFF), 0x800000)
+    a0, a1 = o.bit_and(ma, 0xFFF), o.shr(ma, 12)
+    b0, b1, b2, b3, b4 = split.limbs
+
+    def column(*terms: tuple[Any, int]) -> Any:
+        total: Any = 0
+        for a, b in terms:
+            if b:
+                total = o.add(total, o.mul(a, b))
+        return o.int32(total) if isinstance(total, int) else total
+
+    columns = (
+        column((a0, b0)),
+        column((a1, b0), (a0, b1)),
+        column((a1, b1), (a0, b2)),
+        column((a1, b2), (a0, b3)),
+        column((a1, b3), (a0, b4)),
+        column((a1, b4)),
+    )
+    p: list[Any] = []
+    carry: Any = 0
+    for c in columns:
+        t = o.add(c, carry)
+        p.append(o.bit_and(t, 0xFFF))
+        carry = o.shr(t, 12)
+    p.append(carry)  # the product has 76 or 77 bits: p[6] < 2**5
+    short = o.lt(p[6], 16)  # 76 bits: shift left once, so 77 bits = 24 dropped + 53 kept
+    q = [
+        o.where(short, o.bit_or(o.bit_and(o.shl(p[k], 1), 0xFFF), o.shr(p[k - 1], 11) if k else 0), p[k])
+        for k in range(7)
+    ]
+    # round to 53 bits (float64): drop q[0], q[1]
+    dropped = o.bit_or(o.shl(q[1], 12), q[0])
+    half = 0x800000
+    up = o.logical_or(o.lt(half, dropped), o.logical_and(o.eq(dropped, half), o.eq(o.bit_and(q[2], 1), 1)))
+    carry = o.cast(up, "int32")
+    for k in range(2, 7):
+        t = o.add(q[k], carry)
+        q[k] = o.bit_and(t, 0xFFF) if k < 6 else t
+        carry = o.shr(t, 12)
+    # round those 53 bits to 24 (float32): drop the low 29
+    r = o.bit_or(o.bit_or(o.shr(q[4], 5), o.shl(q[5], 7)), o.shl(q[6], 19))
+    rest = o.bit_or(o.bit_or(q[2], o.shl(q[3], 12)), o.shl(o.bit_and(q[4], 31), 24))
+    half = 0x10000000
+    up = o.logical_or(o.lt(half, rest), o.logical_and(o.eq(rest, half), o.eq(o.bit_and(r, 1), 1)))
+    r = o.add(r, o.cast(up, "int32"))
+    over = o.shr(r, 24)  # 1 when rounding carried to 2**24
+    r = o.shr(r, over)
+    field = o.add(o.sub(o.add(exp_a, split.exponent + 53), o.cast(short, "int32")), over)
+    safe = o.maximum(o.minimum(field, 254), 1)
+    normal = o.bit_or(o.shl(safe, 23), o.bit_and(r, 0x7FFFFF))
+    return o.where(o.lt(254, field), INF_BITS, o.where(o.lt(field, 1), 0, normal))
+
+
+def scale_product_bits(o: ArrayOps, scale: Any, factor: float, split: FactorLimbs) -> Any:
+    """The int32 bits of ``float32(float64(scale) * factor)`` for a normal positive float32 ``scale``:
+    +inf's bits on overflow, 0 below 2**-126 (as :func:`product_bits`, whichever way it is computed)."""
+    if o.float64:
+        b = to_bits(o, o.cast(o.mul(o.cast(scale, "float64"), factor), "float32"))
+        return o.where(o.lt(b, TINY_BITS), 0, b)
+    return product_bits(o, to_bits(o, scale), split)
+
+
+def update(o: ArrayOps, config: ScalerRule, state: ScaleState, finite: Any) -> ScaleState:
+    """The state after a step whose gradients were ``finite`` (a bool scalar array; traced or not).
+
+    A dynamic scale grows by ``growth_factor`` on the ``growth_interval``-th finite step in a
+    row, up to ``max_scale`` and never to a non-finite float32, and backs off by
+    ``backoff_factor`` once ``hysteresis`` non-finite steps have come in a row, down to
+    ``min_scale`` (2**-126 for None).  Positive float32 values order as their bits, so the
+    bounds apply to the bits.  The step counts as skipped when it is not finite and
+    ``config.skip_nonfinite``.
+    """
+    nonfinite = o.logical_not(finite)
+    consecutive = o.where(finite, o.int32(0), bump(o, state.consecutive_nonfinite))
+    scale, tracker = state.scale, state.growth_tracker
+    if config.kind == "dynamic":
+        lo, hi = config.bounds
+        sbits = to_bits(o, scale)
+        grown = scale_product_bits(o, scale, config.growth_factor, config.growth_split)
+        grown = o.where(o.lt(grown, INF_BITS), o.minimum(grown, bits_of(hi)), sbits)
+        backed = o.maximum(
+            scale_product_bits(o, scale, config.backoff_factor, config.backoff_split), bits_of(lo)
+        )
+        counted = o.add(tracker, 1)
+        hit = o.eq(counted, config.growth_interval)
+        back = o.le(config.hysteresis, consecutive)
+        new_bits = o.where(finite, o.where(hit, grown, sbits), o.where(back, backed, sbits))
+        scale = from_bits(o, new_bits)
+        tracker = o.where(finite, o.where(hit, o.int32(0), counted), o.int32(0))
+    skipped = state.skipped_steps
+    if config.skip_nonfinite:
+        skipped = bump(o, skipped, nonfinite)
+    return ScaleState(scale, tracker, consecutive, bump(o, state.steps), skipped)
