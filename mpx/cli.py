@@ -1,8 +1,20 @@
-"""The ``mpx`` command line: ``mpx --version``, ``mpx policy show SPEC``, ``mpx policy list``.
+"""The ``mpx`` command line: ``mpx --version``, ``mpx policy show SPEC``, ``mpx policy list``, and the
+commands other packages register.
 
-The other commands (``conformance``, ``bench``, ``doctor``, ``compare``, ``history``) live beside the
-core and are imported when the parser is built.  One whose import fails stays listed in ``mpx --help``
-as ``unavailable: importing MODULE failed: ...``, and running it prints that line and exits 2.
+The library's own command is ``policy``.  Every other command comes from an entry point in the group
+``mpx.commands`` (:data:`COMMANDS_GROUP`) of an installed distribution: the mpx tools (``tools/`` in
+the repository, distribution ``mpx-tools``) register ``conformance``, ``bench``, ``doctor``, ``compare``
+and ``history``.  An entry point's name is the command; the object it loads provides
+
+- ``help``: one line for ``mpx --help``;
+- ``add_arguments(parser)``: adds the command's options to its ``argparse`` parser;
+- ``run(args) -> int``: runs it with the parsed arguments and returns the exit status; it may raise
+  :class:`UsageError` (or an :class:`mpx.MPXError`) for a user error.
+
+Loading an entry point imports its module when the parser is built, so a command's module imports no
+framework at import time (its ``run`` does, or the worker processes it starts).  A command whose entry
+point fails to load stays listed in ``mpx --help`` as ``unavailable: importing MODULE failed: ...``,
+and running it prints that line and exits 2.  An unknown command exits 2 naming the installed ones.
 
 Every user error exits 2 with one line on stderr and no traceback: bad arguments, an invalid policy,
 an ``--out`` that cannot be written, an ``--only`` that matches nothing, and any :class:`mpx.MPXError`
@@ -12,10 +24,10 @@ a command raises.  Ctrl-C exits 130.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 from collections.abc import Callable, Sequence
+from importlib.metadata import EntryPoint, entry_points
 from typing import NoReturn
 
 from mpx._version import __version__
@@ -24,7 +36,10 @@ from mpx.ops import OP_TABLE
 from mpx.policy import CATEGORIES, FP8_PRESETS, PRESET_ALIASES, PRESETS, Policy, get_policy
 from mpx.scaling import ScalerConfig
 
-__all__ = ["main"]
+__all__ = ["COMMANDS_GROUP", "UsageError", "build_parser", "main", "registered_commands"]
+
+#: The entry-point group of the commands other distributions add to ``mpx`` (see the module docstring).
+COMMANDS_GROUP = "mpx.commands"
 
 
 class UsageError(Exception):
@@ -115,20 +130,6 @@ def _list(args: argparse.Namespace) -> int:
     return 0
 
 
-#: Commands whose code lives beside the core (imported lazily; none imports a framework at import time).
-_EXTRA_COMMANDS = (
-    ("conformance", "run the conformance suite on every installed backend and write reports",
-     "conformance.runner", "add_arguments", "main"),
-    ("bench", "time training steps natively and under mpx", "mpx_bench.cli", "add_bench_arguments", "run_bench"),
-    ("doctor", "show frameworks, devices and precision support; recommend a policy",
-     "mpx_bench.cli", "add_doctor_arguments", "run_doctor"),
-    ("compare", "train float32 and mixed precision side by side per backend; report the accuracy delta",
-     "mpx_compare.cli", "add_arguments", "main"),
-    ("history", "draw a saved loss-scaler history: mpx history plot FILE --out PNG",
-     "mpx_compare.history_cli", "add_arguments", "main"),
-)  # fmt: skip
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="mpx", description="One mixed-precision policy for PyTorch, Keras and JAX.")
     parser.add_argument("--version", action="version", version=f"mpx {__version__}")
@@ -143,24 +144,66 @@ def build_parser() -> argparse.ArgumentParser:
     show.set_defaults(run=_show)
     listing = policy_commands.add_parser("list", help="list the presets and their aliases")
     listing.set_defaults(run=_list)
-    for name, help_text, module, add, run in _EXTRA_COMMANDS:
-        try:
-            provider = importlib.import_module(module)
-        except ImportError as err:  # listed with the reason; running it says why (exit 2)
-            reason = _import_failure(module, err)
-            sub = commands.add_parser(name, help=f"unavailable: {reason}", add_help=False)
-            sub.set_defaults(unavailable=f"mpx {name}: unavailable: {reason}")
+    for entry in registered_commands():
+        command, reason = _load(entry)
+        if command is None:  # listed with the reason; running it says why (exit 2)
+            sub = commands.add_parser(entry.name, help=f"unavailable: {reason}", add_help=False)
+            sub.set_defaults(unavailable=f"mpx {entry.name}: unavailable: {reason}")
             continue
-        sub = commands.add_parser(name, help=help_text)
-        getattr(provider, add)(sub)
-        sub.set_defaults(run=getattr(provider, run))
+        sub = commands.add_parser(entry.name, help=command.help)
+        command.add_arguments(sub)
+        sub.set_defaults(run=command.run)
     return parser
+
+
+def registered_commands() -> list[EntryPoint]:
+    """The ``mpx.commands`` entry points of the installed distributions, one per command name, by name.
+
+    ``policy`` is the library's own and cannot be replaced; of two entry points with one name the
+    first found is kept.  Nothing is imported here.
+    """
+    found: dict[str, EntryPoint] = {}
+    for entry in entry_points(group=COMMANDS_GROUP):
+        if entry.name != "policy":
+            found.setdefault(entry.name, entry)
+    return [found[name] for name in sorted(found)]
+
+
+def _load(entry: EntryPoint) -> tuple[object | None, str]:
+    """The command object of ``entry`` and "", or None and one line on why it cannot be used."""
+    try:
+        command = entry.load()
+    except ImportError as err:
+        return None, _import_failure(entry.module, err)
+    except Exception as err:  # a broken module or a misspelled object: the other commands still work
+        return None, f"loading {entry.value} failed: {type(err).__name__}: {_first_line(err)}"
+    if not (
+        isinstance(getattr(command, "help", None), str)
+        and callable(getattr(command, "add_arguments", None))
+        and callable(getattr(command, "run", None))
+    ):
+        return None, f"{entry.value} is not an mpx command: it needs help, add_arguments and run"
+    return command, ""
+
+
+def _first_line(err: BaseException) -> str:
+    return str(err).splitlines()[0] if str(err) else type(err).__name__
 
 
 def _import_failure(module: str, err: ImportError) -> str:
     """One line on why ``module`` cannot be imported: the ImportError's message, naming the module."""
-    message = str(err).splitlines()[0] if str(err) else type(err).__name__
-    return f"importing {module} failed: {type(err).__name__}: {message}"
+    return f"importing {module} failed: {type(err).__name__}: {_first_line(err)}"
+
+
+def _unknown_command(name: str, installed: Sequence[str]) -> str:
+    """The one-line error for a command no installed package provides."""
+    names = list(installed)
+    listing = ", ".join(names[:-1]) + f" and {names[-1]}" if len(names) > 1 else names[0]
+    return (
+        f"mpx: unknown command {name!r}: the installed commands are {listing}; further commands come from "
+        f"packages that register {COMMANDS_GROUP!r} entry points, such as the mpx tools "
+        "(pip install -e ./tools in a checkout of mpx)"
+    )
 
 
 def _command_names(parser: argparse.ArgumentParser) -> list[str]:
@@ -173,8 +216,12 @@ def _command_names(parser: argparse.ArgumentParser) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = None
     try:
+        command = next((a for a in argv if not a.startswith("-")), None)  # mpx's own options take no value
+        if command is not None and command not in _command_names(parser):
+            raise UsageError(_unknown_command(command, _command_names(parser)))
         args, extra = parser.parse_known_args(argv)
         if getattr(args, "unavailable", None):  # whatever its arguments: they cannot be checked
             raise UsageError(args.unavailable)

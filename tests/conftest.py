@@ -22,3 +22,22 @@ def warnings_on(monkeypatch):
     mpx.advice.reset_warnings()
     yield
     mpx.advice.reset_warnings()
+
+
+@pytest.fixture
+def loaded_by():
+    """``loaded_by(code, packages)``: the modules of ``packages`` (top-level names) loaded after ``code`` ran
+    in a fresh Python process, sorted."""
+    import json
+    import subprocess
+    import sys
+
+    def run(code: str, packages: tuple[str, ...]) -> list[str]:
+        script = f"{code}\nimport json, sys\nprint(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in {packages!r})))"
+        # the bound only catches a hang: importing the library takes about a second
+        out = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=600
+        )
+        return json.loads(out.stdout.splitlines()[-1])
+
+    return run

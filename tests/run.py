@@ -31,8 +31,8 @@ SUITES: list[tuple[str, str | None, list[str]] | tuple[str, str | None, list[str
     ("keras-tf", "tensorflow", ["mpx_keras", "tests/keras"], {"KERAS_BACKEND": "tensorflow"}),
     ("keras-jax", "jax", ["mpx_keras", "tests/keras"], {"KERAS_BACKEND": "jax"}),
     ("keras-torch", "torch", ["mpx_keras", "tests/keras"], {"KERAS_BACKEND": "torch"}),
-    ("bench", None, ["mpx_bench", "mpx_compare", "tests/bench"]),
-    ("conformance", None, ["conformance"]),
+    ("bench", None, ["tools/mpx_tools", "tools/mpx_bench", "tools/mpx_compare", "tests/bench"]),
+    ("conformance", None, ["tools/conformance"]),
 ]
 COUNTS = re.compile(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed)")
 
@@ -43,7 +43,7 @@ def main(argv: list[str]) -> int:
     for name, framework, paths, *extra in SUITES:
         env = {**os.environ, **extra[0]} if extra else None
         present = [p for p in paths if (ROOT / p).exists()]
-        if not any(p.startswith(("tests", "conformance")) for p in present):
+        if not any(p.startswith(("tests", "tools/conformance")) for p in present):
             continue
         if framework is not None and importlib.util.find_spec(framework) is None:
             print(f"== {name}: skipped ({framework} is not installed)", flush=True)

@@ -1,15 +1,30 @@
+"""The ``mpx`` command line of the library: ``policy``, and how it finds the commands other packages register.
+
+The tools' own commands (conformance, bench, doctor, compare, history) are tested with the tools, in
+tests/bench/test_cli_tools.py; this suite runs without them (and without any framework).
+"""
+
+import ast
 import json
+import os
 import subprocess
 import sys
+import types
+from importlib.metadata import EntryPoint
+from pathlib import Path
 
 import pytest
 
+import mpx.cli
 from mpx.cli import main
 
+ROOT = Path(__file__).resolve().parents[2]
 
-def run(*args):
+
+def run(*args, **kwargs):
     # the bound only catches a hang: these commands stop before any framework loads (seconds)
-    return subprocess.run([sys.executable, "-m", "mpx", *args], capture_output=True, text=True, timeout=600)
+    return subprocess.run([sys.executable, "-m", "mpx", *args], capture_output=True, text=True, timeout=600,
+                          **kwargs)  # fmt: skip
 
 
 def test_version():
@@ -48,7 +63,7 @@ def test_policy_list(capsys):
     "args,message",
     [
         (["policy", "show", "compute=int8"], "mpx policy show: compute: 'int8' is not a floating dtype"),
-        (["frobnicate"], "invalid choice: 'frobnicate'"),
+        (["frobnicate"], "mpx: unknown command 'frobnicate': the installed commands are policy"),
         ([], "a command is required"),
         (["policy"], "a subcommand is required"),
         (["policy", "show"], "the following arguments are required: spec"),
@@ -62,27 +77,47 @@ def test_bad_usage_exits_2_with_one_line(args, message):
     assert "Traceback" not in out.stderr
 
 
-def test_conformance_unknown_backend_exits_2_naming_the_known_ones():
-    out = run("conformance", "--backend", "mxnet")
-    assert out.returncode == 2 and out.stdout == ""
-    assert out.stderr.strip() == (
-        "mpx conformance: unknown backend 'mxnet'; available: torch, tf, jax, keras-jax, keras-torch"
+def test_an_unknown_command_names_the_installed_ones_and_where_others_come_from():
+    out = run("frobnicate", "--flag")
+    assert out.returncode == 2 and out.stdout == "" and len(out.stderr.strip().splitlines()) == 1
+    message = out.stderr.strip()
+    assert message.startswith("mpx: unknown command 'frobnicate': the installed commands are policy")
+    assert message.endswith(
+        "further commands come from packages that register 'mpx.commands' entry points, such as the mpx tools "
+        "(pip install -e ./tools in a checkout of mpx)"
     )
+    for entry in mpx.cli.registered_commands():  # whatever is installed here is named
+        assert entry.name in message
 
 
-def test_conformance_help_lists_the_keras_columns_and_bench_only_the_frameworks():
-    conformance = " ".join(run("conformance", "--help").stdout.split())  # argparse wraps the help text
-    assert "torch, tf, jax, keras-jax, keras-torch" in conformance
-    for command in ("bench", "compare"):
-        out = run(command, "--backend", "keras-jax")
-        assert out.returncode == 2 and "unknown backend 'keras-jax'; available: torch, tf, jax" in out.stderr
+# -- commands registered by other packages (fake ones here: the tools' are tested in tests/bench) ------------
 
 
-def test_help_lists_every_command():
-    out = run("--help")
-    for command in ("policy", "conformance", "bench", "doctor", "compare", "history"):
-        assert command in out.stdout
-    assert "unavailable" not in out.stdout
+def _fake_command(name: str = "mpx_fake_tool") -> types.ModuleType:
+    """A module providing the command protocol: help, add_arguments(parser), run(args) -> int."""
+    module = types.ModuleType(name)
+    module.help = "a command registered by another package"
+
+    def add_arguments(parser):
+        parser.add_argument("--times", type=int, default=1)
+
+    def run(args):
+        print("ran " * args.times)
+        return 3
+
+    module.add_arguments, module.run = add_arguments, run
+    return module
+
+
+@pytest.fixture
+def registered(monkeypatch):
+    """Replace the installed ``mpx.commands`` entry points with ``{name: "module:attr"}``."""
+
+    def register(**commands):
+        entries = [EntryPoint(name, value, mpx.cli.COMMANDS_GROUP) for name, value in commands.items()]
+        monkeypatch.setattr(mpx.cli, "entry_points", lambda group: [e for e in entries if e.group == group])
+
+    return register
 
 
 def _help(capsys) -> str:
@@ -92,137 +127,114 @@ def _help(capsys) -> str:
     return " ".join(capsys.readouterr().out.split())  # argparse wraps long help lines
 
 
-def test_a_command_whose_import_fails_is_listed_with_the_reason(monkeypatch, capsys):
+def test_a_registered_command_is_listed_parsed_and_run(registered, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "mpx_fake_tool", _fake_command())
+    registered(fake="mpx_fake_tool", policy="mpx_fake_tool")  # policy is the library's own: never replaced
+    assert "fake a command registered by another package" in _help(capsys)
+    assert [e.name for e in mpx.cli.registered_commands()] == ["fake"]
+    assert main(["fake", "--times", "2"]) == 3
+    assert capsys.readouterr().out == "ran ran \n"
+    assert main(["policy", "list"]) == 0
+    assert main(["fake", "--bogus"]) == 2 and "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+def test_a_command_whose_import_fails_is_listed_with_the_reason(registered, monkeypatch, capsys):
     # None in sys.modules is how Python itself blocks an import: importing it raises ModuleNotFoundError
-    monkeypatch.setitem(sys.modules, "mpx_compare.cli", None)
-    reason = "importing mpx_compare.cli failed: ModuleNotFoundError: import of mpx_compare.cli halted; None in sys.modules"
-    assert f"compare unavailable: {reason}" in _help(capsys)
-    for args in (["compare"], ["compare", "--backend", "torch", "--bogus"], ["compare", "--help"]):
+    monkeypatch.setitem(sys.modules, "mpx_fake_tool", None)
+    registered(fake="mpx_fake_tool:COMMAND")
+    reason = "importing mpx_fake_tool failed: ModuleNotFoundError: import of mpx_fake_tool halted; None in sys.modules"
+    assert f"fake unavailable: {reason}" in _help(capsys)
+    for args in (["fake"], ["fake", "--backend", "torch", "--bogus"], ["fake", "--help"]):
         assert main(args) == 2, args
         captured = capsys.readouterr()
-        assert captured.out == "" and captured.err == f"mpx compare: unavailable: {reason}\n", args
+        assert captured.out == "" and captured.err == f"mpx fake: unavailable: {reason}\n", args
     assert main(["policy", "list"]) == 0  # the other commands still run
-    assert "unavailable" not in _help(capsys).replace("compare unavailable", "")
+    assert "unavailable" not in _help(capsys).replace("fake unavailable", "")
 
 
-def test_a_missing_dependency_of_a_command_is_named(tmp_path):
-    """A real failed import in a fresh process: an ``mpx_bench`` whose dependency is not installed."""
-    (tmp_path / "mpx_bench").mkdir()
-    (tmp_path / "mpx_bench" / "__init__.py").write_text("import mpx_no_such_dependency\n")
-    (tmp_path / "mpx_bench" / "cli.py").write_text("")
-    listing = subprocess.run([sys.executable, "-m", "mpx", "--help"], cwd=tmp_path, capture_output=True, text=True,
-                             timeout=600)  # fmt: skip
-    why = "importing mpx_bench.cli failed: ModuleNotFoundError: No module named 'mpx_no_such_dependency'"
+def test_an_entry_point_that_is_no_command_is_listed_with_the_reason(registered, monkeypatch, capsys):
+    broken = _fake_command()
+    del broken.run
+    monkeypatch.setitem(sys.modules, "mpx_fake_tool", broken)
+    monkeypatch.setitem(sys.modules, "mpx_other_tool", types.ModuleType("mpx_other_tool"))
+    registered(norun="mpx_fake_tool", missing="mpx_other_tool:COMMAND")
+    text = _help(capsys)
+    assert (
+        "norun unavailable: mpx_fake_tool is not an mpx command: it needs help, add_arguments and run" in text
+    )
+    assert "missing unavailable: loading mpx_other_tool:COMMAND failed: AttributeError: " in text
+    assert main(["norun"]) == 2
+    assert capsys.readouterr().err.startswith("mpx norun: unavailable: mpx_fake_tool is not an mpx command")
+
+
+def _fake_distribution(folder: Path, module_source: str) -> dict[str, str]:
+    """An installed distribution on ``folder`` (a dist-info and a module) registering ``mpx hello``;
+    returns an environment that puts it on the path."""
+    (folder / "mpx_hello_tool.py").write_text(module_source)
+    info = folder / "mpx_hello_tool-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: mpx-hello-tool\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[mpx.commands]\nhello = mpx_hello_tool:COMMAND\n")
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")])),
+    }
+
+
+HELLO = """
+import types
+def _add(parser):
+    parser.add_argument("who")
+def _run(args):
+    print(f"hello {args.who}")
+    return 0
+COMMAND = types.SimpleNamespace(help="say hello", add_arguments=_add, run=_run)
+"""
+
+
+def test_an_installed_distribution_adds_a_command_through_its_entry_point(tmp_path):
+    """Real discovery, in a process of its own: a distribution on the path registers ``mpx.commands``."""
+    env = _fake_distribution(tmp_path, HELLO)
+    listing = run("--help", env=env)
+    assert listing.returncode == 0 and "hello" in listing.stdout and "say hello" in listing.stdout
+    out = run("hello", "world", env=env)
+    assert (out.returncode, out.stdout, out.stderr) == (0, "hello world\n", "")
+    out = run("hello", env=env)
+    assert out.returncode == 2 and "the following arguments are required: who" in out.stderr
+
+
+def test_a_missing_dependency_of_a_registered_command_is_named(tmp_path):
+    """A real failed import in a fresh process: a command whose package needs something not installed."""
+    env = _fake_distribution(tmp_path, "import mpx_no_such_dependency\n" + HELLO)
+    why = "importing mpx_hello_tool failed: ModuleNotFoundError: No module named 'mpx_no_such_dependency'"
+    listing = run("--help", env=env)
     assert listing.returncode == 0 and listing.stderr == ""
-    help_text = " ".join(listing.stdout.split())
-    assert f"bench unavailable: {why}" in help_text and f"doctor unavailable: {why}" in help_text
-    assert "conformance run the conformance suite" in help_text
-    out = subprocess.run([sys.executable, "-m", "mpx", "doctor", "--json"], cwd=tmp_path, capture_output=True,
-                         text=True, timeout=600)  # fmt: skip
-    assert (out.returncode, out.stdout, out.stderr) == (2, "", f"mpx doctor: unavailable: {why}\n")
+    assert f"hello unavailable: {why}" in " ".join(listing.stdout.split())
+    out = run("hello", "world", env=env)
+    assert (out.returncode, out.stdout, out.stderr) == (2, "", f"mpx hello: unavailable: {why}\n")
 
 
-# -- every command: user errors exit 2 with one line and no traceback; reports are never clobbered ---------
+# -- the library names no tool ---------------------------------------------------------------------------
+
+#: The tools' packages (tools/ in the repository): the library imports none and names none.
+TOOL_PACKAGES = ("conformance", "mpx_bench", "mpx_compare", "mpx_tools")
 
 
-def _good_report(folder):
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "report.json").write_text('{"results": ["an earlier, good run"]}')
-    (folder / "report.html").write_text("<!doctype html>earlier")
-    return {p.name: p.read_bytes() for p in folder.iterdir()}
+def test_the_library_names_no_tool_module():
+    """No import of a tool in any module of the library, at any level, and no string naming a tool module
+    (an importlib call or an entry point written into the core)."""
+    packages = ["mpx", *sorted(p.name for p in ROOT.glob("mpx_*") if (p / "__init__.py").exists())]
+    for package in packages:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+            named = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+            named += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and not n.level]
+            named += [
+                n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+            ]
+            tools = [m for m in named if m.split(".")[0].split(":")[0] in TOOL_PACKAGES]
+            assert tools == [], f"{path.relative_to(ROOT)} names {tools}"
 
 
-def _snapshot(folder):
-    return {p.name: p.read_bytes() for p in folder.iterdir()}
-
-
-@pytest.mark.parametrize(
-    "args,message",
-    [
-        (["conformance", "--only", "nosuchcase"], "--only 'nosuchcase' matches no case"),
-        (["conformance", "--only", ","], "matches no case"),
-        (["conformance", "--out", "/proc/nope"], "--out /proc/nope: cannot write there"),
-        (["conformance", "--out", "{file}"], "exists and is not a folder"),
-        (["conformance", "--out", "{other}"], "a folder with other files (no report.json)"),
-        (["bench", "--out", "/proc/nope"], "mpx bench: --out: cannot write /proc/nope"),
-        (["bench", "--out", "{file}"], "mpx bench: --out: "),
-        (["bench", "--steps", "two"], "mpx bench: --steps: expected an integer, got 'two'"),
-        (["bench", "--policy", "compute=int8"], "mpx bench: compute: 'int8' is not a floating dtype"),
-        (["bench", "--model", "resnet"], "mpx bench: unknown model 'resnet'"),
-        (["bench", "--backend", "mxnet"], "mpx bench: unknown backend 'mxnet'"),
-        (["doctor", "--probe-seconds", "-1"], "mpx doctor: --probe-seconds: must be at least 0"),
-        (["doctor", "--backend", "mxnet"], "mpx doctor: unknown backend 'mxnet'"),
-        (["doctor", "--bogus"], "unrecognized arguments: --bogus"),
-        (["policy", "list", "extra"], "unrecognized arguments: extra"),
-    ],
-)
-def test_user_errors_exit_2_without_traceback(args, message, tmp_path):
-    if "/proc/nope" in args and not (tmp_path.anchor and __import__("os").path.isdir("/proc/self")):
-        pytest.skip("no /proc here")
-    (tmp_path / "file").write_text("not a folder")
-    (tmp_path / "other").mkdir()
-    (tmp_path / "other" / "notes.txt").write_text("mine")
-    args = [a.format(file=tmp_path / "file", other=tmp_path / "other") for a in args]
-    out = run(*args)
-    assert out.returncode == 2, out.stderr
-    assert out.stdout == "" and "Traceback" not in out.stderr
-    assert len(out.stderr.strip().splitlines()) == 1 and message in out.stderr
-    assert (tmp_path / "other" / "notes.txt").read_text() == "mine"
-
-
-def test_only_matching_nothing_stops_before_any_worker_and_keeps_the_report(tmp_path, monkeypatch, capsys):
-    from conformance import runner
-
-    def no_worker(*args, **kwargs):
-        raise AssertionError(f"a worker was started: {args}")
-
-    monkeypatch.setattr(runner.subprocess, "Popen", no_worker)
-    monkeypatch.setattr(runner.subprocess, "run", no_worker)
-    before = _good_report(tmp_path / "rep")
-    assert main(["conformance", "--only", "nosuchcase", "--out", str(tmp_path / "rep")]) == 2
-    assert "'nosuchcase'" in capsys.readouterr().err
-    assert _snapshot(tmp_path / "rep") == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["rep"]  # no staging folder left
-
-
-def test_a_crashed_worker_never_replaces_a_good_report(tmp_path, monkeypatch):
-    """A real worker process that dies (here: a backend name its argument parser refuses, so no framework loads)."""
-    from conformance import report, runner
-
-    monkeypatch.setattr(runner, "is_installed", lambda backend: True)
-    before = _good_report(tmp_path / "rep")
-    data = runner.run(["bogus"], tmp_path / "rep", only="scaler.defaults", quiet=True)
-    assert _snapshot(tmp_path / "rep") == before
-    assert data["out"] == str(tmp_path / "rep.failed")
-    saved = json.loads((tmp_path / "rep.failed" / "report.json").read_text())
-    (crash,) = [r for r in saved["results"] if r["case"] == "worker"]
-    assert crash["status"] == "error" and crash["observed"].startswith("exit 2 after 0 results")
-    assert "invalid choice: 'bogus'" in crash["detail"]
-    assert not report.mpx_passes(data)  # a crashed worker cannot pass: exit status 1
-    assert "adapter errors: 1" in report.terminal(data)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["rep", "rep.failed"]
-
-
-def test_a_new_report_replaces_the_old_one_whole(tmp_path, monkeypatch):
-    from conformance import report
-
-    out = tmp_path / "rep"
-    _good_report(out)
-    (out / "stale.svg").write_text("from an older version")
-    data = {"mpx_version": "0", "python": "3", "machine": "x", "seconds": 0.0, "backends": {}, "cases": {},
-            "results": []}  # fmt: skip
-    report.write_all(data, out)
-    assert sorted(p.name for p in out.iterdir()) == ["plots", "report.html", "report.json", "report.md"]
-    assert json.loads((out / "report.json").read_text())["findings"] == []
-
-
-def test_every_command_refuses_an_unknown_option_with_exit_2():
-    from mpx.cli import _command_names, build_parser
-
-    commands = _command_names(build_parser())
-    assert {"policy", "conformance", "bench", "doctor"} <= set(commands)
-    for command in commands:
-        out = run(command, "--no-such-option")
-        assert out.returncode == 2, (command, out.stderr)
-        assert out.stdout == "" and "Traceback" not in out.stderr, command
-        assert len(out.stderr.strip().splitlines()) == 1 and "--no-such-option" in out.stderr, command
+def test_import_mpx_and_its_command_line_load_no_tool(loaded_by):
+    assert loaded_by("import mpx, mpx.cli", TOOL_PACKAGES) == []

@@ -1,10 +1,9 @@
-"""Core of issue 18 items 4-5: stuck detection fields and decision, ScalerHistory, ``mpx history plot``."""
+"""Core of issue 18 items 4-5: stuck detection fields and decision, ScalerHistory (``mpx history plot``, a
+tool's command: tests/bench/test_cli_tools.py)."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -13,7 +12,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mpx
-from mpx.cli import main
 from mpx.history import ScalerHistory
 from mpx.scaling import COUNTER_MAX, ScalerConfig
 from mpx.stuck import is_stuck, signal_stuck, stuck_message
@@ -136,29 +134,6 @@ def test_save_load(tmp_path) -> None:
     (tmp_path / "bad.json").write_text("{", encoding="utf-8")
     with pytest.raises(mpx.HistoryError, match="not a JSON scaler history"):
         mpx.ScalerHistory.load(tmp_path / "bad.json")
-
-
-# -- mpx history plot ---------------------------------------------------------------------------
-def test_plot_writes_a_png(tmp_path, capsys) -> None:
-    path = mpx.ScalerHistory.reference(mpx.ScalerConfig(growth_interval=2), [True, True, False]).save(
-        tmp_path / "h.json"
-    )
-    assert main(["history", "plot", str(path), "--out", str(tmp_path / "t.png")]) == 0
-    assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "3 steps, 1 skipped" in capsys.readouterr().out
-
-
-@pytest.mark.parametrize("content", [None, "not json", '{"format": "mpx.scaler_history/1"}'])
-def test_plot_bad_file_exits_2_without_traceback(tmp_path, content) -> None:
-    path = tmp_path / "h.json"
-    if content is not None:
-        path.write_text(content, encoding="utf-8")
-    proc = subprocess.run([sys.executable, "-m", "mpx", "history", "plot", str(path)], cwd=ROOT,
-                          capture_output=True, text=True)  # fmt: skip
-    assert proc.returncode == 2
-    assert proc.stderr.startswith("mpx history: ") and "Traceback" not in proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1
-    assert not path.with_suffix(".png").exists()
 
 
 @pytest.mark.parametrize("capacity", [3, 5, 8])

@@ -75,7 +75,7 @@ def test_links_point_at_files_in_the_repository():
 
 
 def test_no_citation_of_files_that_are_not_in_the_repository():
-    texts = [*DOCS, ROOT / "mpx" / "advice.py", ROOT / "mpx_bench" / "doctor.py"]
+    texts = [*DOCS, ROOT / "mpx" / "advice.py", ROOT / "tools" / "mpx_bench" / "doctor.py"]
     for path in texts:
         assert "REFERENCES" not in path.read_text(), path
     assert (ROOT / "LICENSE").read_text().lstrip().startswith("Apache License\n                           Version 2.0")
@@ -86,7 +86,7 @@ def test_distribution_name_and_extras():
     tomllib = pytest.importorskip("tomllib")
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert project["name"] == "mpx-precision"
-    assert project["optional-dependencies"]["all"] == ["mpx-precision[torch,tf,jax,bench,compare,fp8]"]
+    assert project["optional-dependencies"]["all"] == ["mpx-precision[torch,tf,jax,fp8,tools]"]  # tools: tools/, mpx-tools
     assert project["license"] == {"text": "Apache-2.0"}
     text = README.read_text()
     install_lines = [line for line in text.splitlines() if "pip install" in line]

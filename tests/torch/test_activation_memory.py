@@ -19,8 +19,8 @@ from torch import nn
 import mpx_torch
 
 transformers = pytest.importorskip("transformers")
-from conformance.models import ACTIVATION_RATIO, MODELS  # noqa: E402
-from conformance.models import torch as MT  # noqa: E402
+from mpx_tools.models import ACTIVATION_RATIO, MODELS  # noqa: E402
+from mpx_tools.models import torch as MT  # noqa: E402
 
 BF16, F32 = torch.bfloat16, torch.float32
 #: (hidden, sequence) shapes: the tiny default, and a sequence/hidden ratio of real models (GPT-2: 1024/768)

@@ -18,8 +18,8 @@ import mpx
 import mpx_torch
 
 transformers = pytest.importorskip("transformers")
-from conformance.models import MODELS  # noqa: E402
-from conformance.models import torch as MT  # noqa: E402
+from mpx_tools.models import MODELS  # noqa: E402
+from mpx_tools.models import torch as MT  # noqa: E402
 
 BF16, F32 = torch.bfloat16, torch.float32
 
@@ -142,7 +142,7 @@ def test_compile_fullgraph_gives_native_counts(name):
 
 @pytest.mark.parametrize("name", MODELS)
 def test_float16_run_skips_the_injected_overflow(name):
-    from conformance import models as M
+    from mpx_tools import models as M
 
     got = MT.overflow_run(name, "mpx")
     scaler = mpx.LossScaler(mpx.ScalerConfig(**M.OVERFLOW_CONFIG))
