@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 import mpx
 from conformance import cases as C
 from conformance import findings as F
-from conformance import report
+from conformance import report, results
 from conformance.plots import first_divergence
 
 CASES = {c["id"]: c for c in C.all_cases()}
@@ -327,4 +327,4 @@ def test_every_case_cell_is_text_not_json():
                                       "✓ stuck at step 5: gradients overflow at min_scale |"]  # fmt: skip
     assert "✗ never stuck" in md and "✗ never stuck" in page
     assert "stuck at step 3: the loss is non-finite" in page
-    assert report._fmt({"a": [1, 2.5], "b": True, "c": None}) == "a 1, 2.5; b yes; c -"
+    assert results.fmt({"a": [1, 2.5], "b": True, "c": None}) == "a 1, 2.5; b yes; c -"
