@@ -217,7 +217,7 @@ def expected_trace(bad_step=1, steps=4):
     trace = []
     for t in range(steps):
         scaler.update(t != bad_step)
-        trace.append(scaler.scale)
+        trace.append(scaler.get_scale())
     return trace
 
 
