@@ -13,7 +13,6 @@ from mpx_jax.autocast import AutocastError, AutocastFallbackWarning, autocast
 from mpx_jax.casting import cast_to_compute, cast_to_output, cast_to_param, cast_tree
 from mpx_jax.diagnostics import find_nonfinite, underflow_stats
 from mpx_jax.distributed import all_reduce_gradients, combine_finite, mapped_axes
-from mpx_jax.history import HistoryRecorder
 from mpx_jax.loss_scale import LossScale, all_finite, select_tree
 from mpx_jax.opt_state import get_loss_scale, set_loss_scale
 from mpx_jax.transform import LossScalingState, with_loss_scaling
@@ -21,7 +20,6 @@ from mpx_jax.transform import LossScalingState, with_loss_scaling
 __all__ = [
     "AutocastError",
     "AutocastFallbackWarning",
-    "HistoryRecorder",
     "LossScale",
     "LossScalingState",
     "all_finite",

@@ -13,12 +13,18 @@ device arrays (a float32 scale, four int32 counters) and its
 * ``tree_map(f, loss_scale)`` applies ``f`` to the state arrays only, never to
   config numbers.
 
-:meth:`LossScale.update` is a pure function of arrays built from
-``jnp.where`` and integer arithmetic only (no Python branch on a traced
-value), bit-identical to :func:`mpx.scaler_update` for every config: each
-product is torch's ``float32(float64(scale) * float64(factor))``, evaluated
-without float64 by :func:`mpx.scaling.product_bits` (int32 operations on the
-scale's bits and the core's exact split of the factor).
+:meth:`LossScale.update` is :func:`mpx.kernels.scale.update`, the one transition every
+backend runs, with JAX's table (:data:`mpx_jax._array_ops.JAX_OPS`): selects and int32
+arithmetic only (no Python branch on a traced value), bit-identical to
+:func:`mpx.scaler_update` for every config, each product torch's
+``float32(float64(scale) * float64(factor))`` computed without float64.
+
+History: :meth:`LossScale.record_history` returns a loss scale that also carries the
+scaler-history ring buffer every backend keeps (:mod:`mpx.kernels.ring`: two more leaves,
+an int32 ``(capacity, 4)`` array of rows and the int32 count of rows written); each
+:meth:`~LossScale.update` writes its row on device, inside ``jit`` (no host read), and
+:meth:`~LossScale.history` reads them in one transfer.  A loss scale that does not record
+has ``None`` there: its leaves are the five state arrays.
 
 The counters are int32 and saturate, as the reference's, at 2**31 - 1 =
 2,147,483,647 (68 years at one step a second); the core bounds
@@ -26,14 +32,14 @@ The counters are int32 and saturate, as the reference's, at 2**31 - 1 =
 state dict the core accepts loads here.
 
 >>> import mpx
->>> ls = LossScale.create(mpx.ScalerConfig(growth_interval=2, min_scale=0.25))
+>>> ls = LossScale.create(mpx.ScalerConfig(growth_interval=2, min_scale=0.25)).record_history()
 >>> for finite in (True, True, False):
 ...     ls = ls.update(finite)
->>> float(ls.loss_scale), int(ls.skipped_steps)
-(65536.0, 1)
->>> leaves, treedef = jax.tree_util.tree_flatten(ls)
->>> jax.tree_util.tree_unflatten(treedef, leaves).config.min_scale
-0.25
+>>> float(ls.loss_scale), int(ls.skipped_steps), ls.history().scale
+(65536.0, 1, [65536.0, 131072.0, 65536.0])
+>>> leaves, treedef = jax.tree_util.tree_flatten(LossScale.create(mpx.ScalerConfig(min_scale=0.25)))
+>>> len(leaves), jax.tree_util.tree_unflatten(treedef, leaves).config.min_scale
+(5, 0.25)
 """
 
 from __future__ import annotations
@@ -48,30 +54,24 @@ import numpy as np
 from jax import lax
 
 import mpx
-from mpx.scaling import INF_BITS, FactorSplit, ScalerConfig, ScalerState, product_bits
+from mpx.history import ScalerHistory
+from mpx.kernels import ring as kring
+from mpx.kernels import scale as kscale
+from mpx.scaling import ScalerConfig, ScalerState
+from mpx_jax._array_ops import JAX_OPS
+from mpx_jax._compat import nnx_if_loaded
 from mpx_jax.casting import is_floating_array
+from mpx_jax.history import stuck_callback
 
-__all__ = ["INT32_MAX", "STATE_FIELDS", "LossScale", "all_finite", "select_tree"]
+__all__ = ["HISTORY_FIELDS", "INT32_MAX", "STATE_FIELDS", "LossScale", "all_finite", "select_tree"]
 
 #: The state fields of a :class:`LossScale`, in pytree order: its leaves.
 STATE_FIELDS = ("loss_scale", "growth_tracker", "consecutive_nonfinite", "steps", "skipped_steps")
+#: The history ring's fields (None when not recording): int32 ``(capacity, 4)`` rows, int32 count.
+HISTORY_FIELDS = ("history_rows", "history_count")
 
 #: The largest value an int32 counter holds (:data:`mpx.COUNTER_MAX`).
 INT32_MAX = mpx.COUNTER_MAX
-
-
-def _bits(value: float) -> int:
-    """The int32 bit pattern of a non-negative float32 value."""
-    return int(np.float32(value).view(np.int32))
-
-
-def _product_bits(scale: jax.Array, split: FactorSplit) -> jax.Array:
-    """The int32 bits of ``float32(float64(scale) * factor)`` (0 below 2**-126, +inf's bits on overflow).
-
-    ``scale`` is a normal positive float32 scalar, ``split`` the core's
-    :func:`mpx.scaling.split_factor` of the factor.
-    """
-    return product_bits(lax.bitcast_convert_type(scale, jnp.int32), split, jnp.where)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -80,14 +80,16 @@ class LossScale:
 
     Build one with :meth:`create` or :meth:`from_state_dict`.  Fields:
     ``loss_scale`` (float32 scalar), ``growth_tracker``,
-    ``consecutive_nonfinite``, ``steps``, ``skipped_steps`` (int32 scalars)
-    and ``config`` (the :class:`mpx.ScalerConfig`, static metadata).
+    ``consecutive_nonfinite``, ``steps``, ``skipped_steps`` (int32 scalars),
+    ``config`` (the :class:`mpx.ScalerConfig`, static metadata) and, while
+    recording (:meth:`record_history`), ``history_rows`` and ``history_count``.
 
     The surface every mpx scaler shares (:data:`mpx.testing.SURFACE_NAMES`):
     ``config``, ``state`` (an :class:`mpx.ScalerState`), ``get_scale()`` (a
-    Python float), ``scale(tree)``, ``state_dict()`` and ``load_state_dict(d)``
-    (which returns the loaded ``LossScale``: this one is immutable).  The
-    counters are read through ``state``.
+    Python float), ``scale(tree)``, ``state_dict()``, ``load_state_dict(state_dict)``,
+    ``record_history()``, ``history()`` and ``last_step_skipped()``.  This one is
+    immutable, so ``load_state_dict`` and ``record_history`` return the new
+    ``LossScale``.  The counters are read through ``state``.
     """
 
     loss_scale: jax.Array
@@ -96,6 +98,8 @@ class LossScale:
     steps: jax.Array
     skipped_steps: jax.Array
     config: ScalerConfig = dataclasses.field(default_factory=ScalerConfig)
+    history_rows: jax.Array | None = None
+    history_count: jax.Array | None = None
 
     # -- construction ----------------------------------------------------------
     @classmethod
@@ -167,11 +171,12 @@ class LossScale:
     def update(self, finite: Any, loss_finite: Any = None) -> LossScale:
         """The loss scale after a step whose gradients were ``finite`` (a bool scalar, traced or not).
 
-        Exactly :func:`mpx.scaler_update`, with ``jnp.where`` in place of each branch.
-        ``loss_finite`` (optional bool scalar: was the forward loss finite) is
-        read by stuck detection only (``config.max_consecutive_skips``, which
-        adds a ``jax.debug.callback``, see :mod:`mpx_jax.history`); with the
-        option off nothing is added.
+        :func:`mpx.kernels.scale.update` with JAX's table (exactly :func:`mpx.scaler_update`);
+        while recording, the state after the step is written to the history ring
+        (:func:`mpx.kernels.ring.record`).  ``loss_finite`` (optional bool scalar: was
+        the forward loss finite) is read by stuck detection only
+        (``config.max_consecutive_skips``, which adds a ``jax.debug.callback``, see
+        :mod:`mpx_jax.history`); with the option off nothing is added.
         """
         self = plain_loss_scale(self)  # the values of NNX variables (nnx.Optimizer's OptArray)
         if not isinstance(finite, (bool, int, np.bool_, np.integer, np.ndarray, jax.Array)):
@@ -181,44 +186,60 @@ class LossScale:
         finite = jnp.asarray(finite)
         if finite.shape != ():
             raise mpx.MPXError(f"finite: expected a scalar boolean, got an array of shape {finite.shape}.")
-        finite = finite.astype(bool)
-        cfg = self.config
-        i32 = jnp.int32
-
-        def bump(counter: jax.Array, by: Any) -> jax.Array:  # + by, saturating at INT32_MAX
-            return counter + jnp.logical_and(by, counter < INT32_MAX).astype(i32)
-
-        consecutive = jnp.where(finite, i32(0), bump(self.consecutive_nonfinite, True))
-        skipped = jnp.logical_and(jnp.logical_not(finite), cfg.skip_nonfinite)
-        scale, tracker = self.loss_scale, self.growth_tracker
-        if cfg.kind == "dynamic":
-            lo, hi = cfg.bounds
-            sbits = lax.bitcast_convert_type(scale, i32)
-            grown = _product_bits(scale, cfg.growth_split)
-            grown = jnp.where(grown < INF_BITS, jnp.minimum(grown, i32(_bits(hi))), sbits)
-            # floored at min_scale (2**-126 for None): a result below 2**-126 comes back as 0
-            backed = jnp.maximum(_product_bits(scale, cfg.backoff_split), i32(_bits(lo)))
-            counted = tracker + 1
-            hit = counted == cfg.growth_interval
-            new_bits = jnp.where(
-                finite,
-                jnp.where(hit, grown, sbits),
-                jnp.where(consecutive >= cfg.hysteresis, backed, sbits),
-            )
-            scale = lax.bitcast_convert_type(new_bits, jnp.float32)
-            tracker = jnp.where(finite, jnp.where(hit, i32(0), counted), i32(0))
+        cfg, o = self.config, JAX_OPS
+        state = kscale.ScaleState(*(getattr(self, name) for name in STATE_FIELDS))
+        new = kscale.update(o, cfg, state, finite.astype(bool))
         if cfg.max_consecutive_skips is not None:
-            from mpx_jax.history import stuck_callback
-
-            stuck_callback(cfg, scale, consecutive, loss_finite)
+            stuck_callback(cfg, new.scale, new.consecutive_nonfinite, loss_finite)
+        rows, count = self.history_rows, self.history_count
+        if rows is not None:
+            row = kring.row(o, new.scale, new.growth_tracker, new.consecutive_nonfinite, new.steps)
+            rows, count = kring.record(o, rows, count, row)
         return dataclasses.replace(
-            self,
-            loss_scale=scale,
-            growth_tracker=tracker,
-            consecutive_nonfinite=consecutive,
-            steps=bump(self.steps, True),
-            skipped_steps=bump(self.skipped_steps, skipped),
+            self, **dict(zip(STATE_FIELDS, new, strict=True)), history_rows=rows, history_count=count
         )
+
+    # -- history -------------------------------------------------------------------
+    def record_history(self, enabled: bool = True, *, capacity: int = 65536) -> LossScale:
+        """This loss scale recording the state after each :meth:`update` (or, with False, not recording).
+
+        The last ``capacity`` steps (default 65536: 1 MiB of int32 rows) are kept in the ring buffer
+        every backend keeps (:mod:`mpx.kernels.ring`), as two more leaves of the pytree; starting again
+        clears the record.  ``LossScale`` is immutable: use the returned value (in an optimizer state:
+        ``set_loss_scale(opt_state, get_loss_scale(opt_state).record_history())``).  The new leaves
+        change the pytree's structure, so a jitted step traces once more for it.
+
+        Raises:
+            MPXError: for a ``capacity`` that is not an int in [1, 2**31 - 1].
+        """
+        plain = plain_loss_scale(self)
+        if not enabled:
+            return dataclasses.replace(plain, history_rows=None, history_count=None)
+        rows = jnp.zeros((kring.check_capacity(capacity), len(kring.ROW_FIELDS)), jnp.int32)
+        return dataclasses.replace(plain, history_rows=rows, history_count=jnp.zeros((), jnp.int32))
+
+    def history(self) -> ScalerHistory:
+        """The recorded steps as an :class:`mpx.ScalerHistory` (one transfer: not under ``jit``).
+
+        Raises:
+            MPXError: when this loss scale does not record (see :meth:`record_history`).
+        """
+        plain = plain_loss_scale(self)
+        if plain.history_rows is None:
+            raise mpx.MPXError(
+                "history: this LossScale does not record; use loss_scale = loss_scale.record_history() "
+                "(or set_loss_scale(opt_state, get_loss_scale(opt_state).record_history())) before the steps."
+            )
+        rows, count = jax.device_get((plain.history_rows, plain.history_count))
+        return ScalerHistory.from_rows(self.config, rows, int(count))
+
+    def last_step_skipped(self) -> jax.Array:
+        """A bool scalar array: the last :meth:`update` skipped its step (False before the first).
+
+        No host read (usable under ``jit``); from the state, as :meth:`mpx.ScalerHistory.events`.
+        """
+        plain = plain_loss_scale(self)
+        return jnp.logical_and(plain.consecutive_nonfinite != 0, bool(self.config.skip_nonfinite))
 
     # -- host side ---------------------------------------------------------------
     @property
@@ -236,27 +257,29 @@ class LossScale:
         """The neutral JSON-safe state dict (``mpx.scaler/1``), the same as every mpx backend's."""
         return mpx.state_dict(self.config, self.state)
 
-    def load_state_dict(self, data: Mapping[str, Any]) -> LossScale:
-        """The loss scale saved in ``data`` (a :meth:`state_dict` dict, from any backend).
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> LossScale:
+        """The loss scale saved in ``state_dict`` (a :meth:`state_dict` dict, from any backend).
 
         ``LossScale`` is immutable, so this returns the loaded value (its config
-        and state are ``data``'s) and leaves ``self`` as it is; the same as
-        :meth:`from_state_dict`.  Put it back into an optimizer state with
-        :func:`mpx_jax.set_loss_scale`.
+        and state are ``state_dict``'s; it keeps recording into this one's history
+        ring, as the core's :class:`mpx.LossScaler` does) and leaves ``self`` as
+        it is.  Put it back into an optimizer state with :func:`mpx_jax.set_loss_scale`.
 
         Raises:
             StateDictError: for a malformed dict (see :func:`mpx.load_state_dict`).
         """
-        return type(self).from_state_dict(data)
+        plain = plain_loss_scale(self)
+        loaded = type(self).from_state_dict(state_dict)
+        return dataclasses.replace(loaded, history_rows=plain.history_rows, history_count=plain.history_count)
 
     @classmethod
-    def from_state_dict(cls, data: Mapping[str, Any]) -> LossScale:
-        """A loss scale resumed from a :meth:`state_dict` dict (from any backend).
+    def from_state_dict(cls, state_dict: Mapping[str, Any]) -> LossScale:
+        """A loss scale resumed from a :meth:`state_dict` dict (from any backend; not recording).
 
         Raises:
             StateDictError: for a malformed dict (see :func:`mpx.load_state_dict`).
         """
-        config, state = mpx.load_state_dict(data)
+        config, state = mpx.load_state_dict(state_dict)
         return cls._from_state(config, state)
 
     def __repr__(self) -> str:
@@ -268,21 +291,17 @@ class LossScale:
 
 
 jax.tree_util.register_dataclass(
-    LossScale,
-    data_fields=["loss_scale", "growth_tracker", "consecutive_nonfinite", "steps", "skipped_steps"],
-    meta_fields=["config"],
+    LossScale, data_fields=[*STATE_FIELDS, *HISTORY_FIELDS], meta_fields=["config"]
 )
 
 
 def plain_loss_scale(loss_scale: LossScale) -> LossScale:
     """``loss_scale`` with each state field a plain array: the value of a Flax NNX variable
     (``nnx.Optimizer`` wraps its state leaves in ``OptArray``), else the field itself."""
-    from mpx_jax._compat import nnx_if_loaded
-
     nnx = nnx_if_loaded()
     if nnx is None:
         return loss_scale
-    values = {name: getattr(loss_scale, name) for name in STATE_FIELDS}
+    values = {name: getattr(loss_scale, name) for name in (*STATE_FIELDS, *HISTORY_FIELDS)}
     if not any(isinstance(v, nnx.Variable) for v in values.values()):
         return loss_scale
     plain = {k: v.get_value() if isinstance(v, nnx.Variable) else v for k, v in values.items()}

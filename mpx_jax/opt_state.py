@@ -31,6 +31,7 @@ was built with it); load a saved scale with
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -38,7 +39,7 @@ import jax.numpy as jnp
 
 import mpx
 from mpx_jax._compat import nnx_if_loaded
-from mpx_jax.loss_scale import STATE_FIELDS, LossScale, config_difference, plain_loss_scale
+from mpx_jax.loss_scale import HISTORY_FIELDS, STATE_FIELDS, LossScale, config_difference, plain_loss_scale
 
 __all__ = ["get_loss_scale", "set_loss_scale"]
 
@@ -99,7 +100,32 @@ def _check_replacement(old: LossScale, new: Any) -> LossScale:
                 f"loss_scale.{name}: expected a {jnp.dtype(dtype).name} scalar, got "
                 f"{jnp.result_type(value).name}{list(jnp.shape(value))}."
             )
+    rows, count = new.history_rows, new.history_count
+    if (rows is None) != (count is None) or (
+        rows is not None
+        and (
+            jnp.result_type(rows) != jnp.int32
+            or jnp.ndim(rows) != 2
+            or jnp.shape(rows)[1] != 4
+            or jnp.shape(count) != ()
+            or jnp.result_type(count) != jnp.int32
+        )
+    ):
+        raise mpx.UnsupportedTypeError(
+            "loss_scale.history_rows, history_count: expected both None, or an int32 (capacity, 4) array "
+            "and an int32 scalar (LossScale.record_history makes them)."
+        )
     return new
+
+
+def _held(ls: LossScale, nnx: Any) -> tuple[list[Any], bool]:
+    """The LossScale's data fields as held (variables or arrays), and whether NNX variables hold them."""
+    held = [getattr(ls, name) for name in (*STATE_FIELDS, *HISTORY_FIELDS)]
+    present = [v for v in held if v is not None]
+    in_variables = nnx is not None and any(isinstance(v, nnx.Variable) for v in present)
+    if in_variables and not all(isinstance(v, nnx.Variable) for v in present):
+        raise mpx.MPXError("opt_state: its LossScale mixes NNX variables and plain arrays; cannot set it.")
+    return held, in_variables
 
 
 def set_loss_scale(opt_state: Any, loss_scale: LossScale) -> Any:
@@ -109,9 +135,16 @@ def set_loss_scale(opt_state: Any, loss_scale: LossScale) -> Any:
     * An ``nnx.Optimizer``, or an ``opt_state`` whose loss scale is held in NNX
       variables: sets those variables in place and returns ``opt_state`` itself.
 
+    ``loss_scale`` may start or stop recording (``get_loss_scale(opt).record_history()``):
+    the state then gains or loses the history ring's two leaves (for an
+    ``nnx.Optimizer``, two variables made like its other ones; pass the optimizer
+    itself, outside a transformation).
+
     Raises:
         UnsupportedTypeError: when ``opt_state`` holds no loss scale, or
-            ``loss_scale`` is not a ``LossScale`` of scalar float32/int32 arrays.
+            ``loss_scale`` is not a ``LossScale`` of scalar float32/int32 arrays
+            (and int32 history ring arrays).
+        MPXError: when recording starts or stops on an NNX ``opt_state`` given without its optimizer.
         ScalerConfigError: when ``loss_scale.config`` is not the optimizer's
             config (naming the fields that differ); nothing is changed.
     """
@@ -119,18 +152,45 @@ def set_loss_scale(opt_state: Any, loss_scale: LossScale) -> Any:
     tree = _optimizer_state(opt_state, nnx)
     old = _the_loss_scale(tree, opt_state)
     new = _check_replacement(old, loss_scale)
-    held = [getattr(old, name) for name in STATE_FIELDS]
-    if nnx is not None and any(isinstance(v, nnx.Variable) for v in held):
-        if not all(isinstance(v, nnx.Variable) for v in held):
+    held, in_variables = _held(old, nnx)
+    if in_variables:
+        names = (*STATE_FIELDS, *HISTORY_FIELDS)
+        if all((v is None) == (getattr(new, n) is None) for n, v in zip(names, held, strict=True)):
+            for name, variable in zip(names, held, strict=True):
+                if variable is not None:
+                    variable.set_value(getattr(new, name))
+            return opt_state
+        if tree is opt_state:
             raise mpx.MPXError(
-                "opt_state: its LossScale mixes NNX variables and plain arrays; cannot set it."
+                "opt_state: starting or stopping history recording adds or removes NNX variables, which "
+                "needs the nnx.Optimizer itself: set_loss_scale(optimizer, loss_scale)."
             )
-        for name, variable in zip(STATE_FIELDS, held, strict=True):
-            variable.set_value(getattr(new, name))
+        # recording starts or stops: the state's variables stay, the ring's are made like them
+        values: dict[str, Any] = {}
+        for name, variable in zip(names, held, strict=True):
+            value = getattr(new, name)
+            if value is None:
+                values[name] = None
+            elif variable is not None:
+                variable.set_value(value)
+                values[name] = variable
+            else:
+                values[name] = held[0].replace(value)
+        replacement = dataclasses.replace(new, **values)
+        opt_state.opt_state = _replace_loss_scale(tree, replacement, keep=nnx.Variable)
         return opt_state
     if tree is not opt_state:  # an nnx.Optimizer whose opt_state holds plain arrays
         raise mpx.UnsupportedTypeError(
             "opt_state: this nnx.Optimizer holds its loss scale as plain arrays, not variables; "
             "set optimizer.opt_state = set_loss_scale(optimizer.opt_state, loss_scale)."
         )
-    return jax.tree_util.tree_map(lambda x: new if _is_loss_scale(x) else x, tree, is_leaf=_is_loss_scale)
+    return _replace_loss_scale(tree, new)
+
+
+def _replace_loss_scale(tree: Any, new: LossScale, keep: type | None = None) -> Any:
+    """``tree`` with its LossScale replaced by ``new``; nodes of type ``keep`` are kept as they are."""
+
+    def is_leaf(x: Any) -> bool:
+        return _is_loss_scale(x) or (keep is not None and isinstance(x, keep))
+
+    return jax.tree_util.tree_map(lambda x: new if _is_loss_scale(x) else x, tree, is_leaf=is_leaf)

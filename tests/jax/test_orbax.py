@@ -96,6 +96,29 @@ def test_restore_without_target_rebuilds_the_loss_scale(tmp_path):
     )
 
 
+def recording(item, capacity=8):
+    ls = mpx_jax.get_loss_scale(item["opt_state"]).record_history(capacity=capacity)
+    return {**item, "opt_state": mpx_jax.set_loss_scale(item["opt_state"], ls)}
+
+
+def test_a_recording_state_keeps_its_history_ring(tmp_path):
+    item = optax_state(steps=())
+    item = recording(item)
+    params, tx = item["params"], mpx_jax.with_loss_scaling(optax.adam(1e-3), SAVED)
+    state = item["opt_state"]
+    for finite in (True, True, False):
+        _, state = tx.update({"w": jnp.full(3, 1.0 if finite else jnp.inf, jnp.float32)}, state, params)
+    item = {**item, "opt_state": state}
+    save(tmp_path / "c", item)
+    want = mpx.ScalerHistory.reference(SAVED, [True, True, False])
+    back = restore(tmp_path / "c", recording(optax_state(steps=())))  # a recording target
+    assert same(back, item) and mpx_jax.get_loss_scale(back["opt_state"]).history() == want
+    raw = restore(tmp_path / "c")  # without a target: the rebuilt LossScale records on
+    ls = raw["opt_state"]["loss_scale"]
+    assert ls.history() == want
+    assert ls.update(True).history() == mpx.ScalerHistory.reference(SAVED, [True, True, False, True])
+
+
 def test_checkpoint_without_mpx_metadata_and_a_loss_scale_target(tmp_path):
     with ocp.StandardCheckpointer() as plain:
         plain.save(tmp_path / "c", optax_state())

@@ -136,6 +136,7 @@ def _train(make_model: Callable[..., tuple[nn.Module, Any]], data: Sequence[np.n
     # the optimizer trains the params; the fp8 collection moves by commit_float8, fp8_amax is its sink
     params, rest = variables["params"], {k: v for k, v in variables.items() if k != "params"}
     opt_state = tx.init(params)
+    opt_state = mpx_jax.set_loss_scale(opt_state, mpx_jax.get_loss_scale(opt_state).record_history())
 
     def loss_fn(w: Any, amax: Any, rest: Any, x: jax.Array, y: jax.Array) -> jax.Array:
         v = {**rest, "params": w, **({"fp8_amax": amax} if amax is not None else {})}
@@ -164,17 +165,15 @@ def _train(make_model: Callable[..., tuple[nn.Module, Any]], data: Sequence[np.n
 
     xt, yt, xv, yv = (jnp.asarray(a) for a in data)
     losses, scales = [], []
-    recorder = mpx_jax.HistoryRecorder()
     for idx in batches(len(xt), settings, seed):
         params, rest, opt_state, loss, scale = step(params, rest, opt_state, xt[idx], yt[idx])
-        recorder.record(opt_state)
         losses.append(float(loss))
         scales.append(float(scale))
     logits = jax.jit(apply)({**rest, "params": params}, xv).astype(jnp.float32)
     val_loss = float(optax.softmax_cross_entropy_with_integer_labels(logits, yv).mean())
     acc = float((logits.argmax(axis=1) == yv).mean())
     skipped = mpx_jax.get_loss_scale(opt_state).state.skipped_steps
-    history = recorder.history() if len(recorder) else None
+    history = mpx_jax.get_loss_scale(opt_state).history() if losses else None
     fp8_layers = len(jax.tree_util.tree_leaves(rest.get("fp8", {}))) // 3  # scale, history, pending
     return record("jax", policy, seed, losses, scales, skipped, val_loss, acc, time.perf_counter() - t0,
                   history=history, fp8_layers=fp8_layers)  # fmt: skip
