@@ -1,25 +1,23 @@
 """FP8 in JAX: :mod:`mpx.float8`'s quantization, scaling state machine and GEMM, jit-native.
 
-Everything here is bit-identical to the core reference (:mod:`mpx.float8`):
+The arithmetic is the core's kernels (:mod:`mpx.kernels.float8`, :func:`mpx.kernels.bits.abs_max`) run
+with JAX's table (:data:`mpx_jax._array_ops.JAX_OPS`), so every number is the reference's bits
+(XLA:CPU's flush of float32 subnormals included: the kernels work on the bits where it matters):
 
 * :func:`quantize` gives the reference's bytes for every float32 input
-  (``fp8(clip(float32(x) * scale, -fp8_max, fp8_max))``; NaN stays NaN).  XLA:CPU
-  flushes float32 subnormals to zero in arithmetic, so the product is formed from
-  the operands' bits (each operand normalized, one rounding of the mantissa
-  product): a subnormal input or scale quantizes as in numpy.
-* :func:`compute_scale` gives the reference's float32 scale for every amax,
-  recipe and format without float64: the quotient ``fp8_max / m`` of the amax's
-  mantissa ``m`` in float32 (correctly rounded; double rounding through float64
-  then float32 is innocuous for a quotient), its exponent and the margin as
-  integer arithmetic on the bits, the float32 ceiling and the smallest-normal floor.
-* :class:`Float8State` is a pytree of per-tensor ``scale`` (float32 scalar) and
-  ``amax_history`` (float32 ``(amax_history_len,)``, most recent first; ``(0,)``
-  under current scaling) arrays; roles and the recipe are static metadata.  jit
-  and sharding carry it, and :func:`float8_update` is ``jnp.where`` selects and
-  integer arithmetic only, equal to :func:`mpx.float8.float8_update` step for
-  step, ``skipped=`` included (a traced bool is fine).
-* :func:`reduce_amaxes` takes the MAX over mapped axes (``lax.pmax``) so every
-  replica makes the same update.
+  (``fp8(clip(float32(x) * scale, -fp8_max, fp8_max))``; NaN stays NaN);
+* :func:`compute_scale` gives the reference's float32 scale for every amax, recipe and format;
+* :func:`amax` is ``max(|x|)`` on the bits (a subnormal amax is recorded, a NaN gives NaN);
+* the state types are the core's :class:`mpx.float8.TensorScale` and :class:`mpx.float8.Float8State`,
+  registered here as pytrees: ``scale`` (float32 scalar) and ``amax_history`` (float32
+  ``(amax_history_len,)``, most recent first; ``(0,)`` under current scaling) are the leaves, the
+  role is static, ``tensors`` a dict.  :func:`float8_init` and :func:`float8_update` are
+  :func:`mpx.float8.float8_init`/:func:`mpx.float8.float8_update` with ``ops=JAX_OPS``: selects and
+  integer arithmetic, ``skipped=`` a Python or traced bool; :func:`mpx.float8.state_dict` reads
+  the state (one transfer) and :func:`mpx.float8.load_state_dict`'s host values step here too;
+* :func:`window_max` and :func:`reduce_amaxes` take the MAX of amaxes where a NaN wins, within an
+  accumulation window and over replicas (``lax.pmax`` on the amaxes' order keys, so every replica
+  makes the same update, and the same one as :func:`window_max`);
 * :func:`fp8_linear` is the FP8 GEMM with a ``jax.custom_vjp``:
   ``lax.dot_general`` on float8 operands with ``preferred_element_type=float32``,
   inputs and weights in the recipe's forward format, gradients in e5m2 under
@@ -33,6 +31,8 @@ Everything here is bit-identical to the core reference (:mod:`mpx.float8`):
 >>> s = float8_update(r, s, {"x": jnp.float32(2.0)})
 >>> float(s.tensors["x"].scale), s.tensors["x"].amax_history.tolist()
 (224.0, [2.0, 0.0, 0.0, 0.0])
+>>> mpx.float8.state_dict(r, s)["tensors"]["x"]["amax_history"]
+[2.0, 0.0, 0.0, 0.0]
 """
 
 from __future__ import annotations
@@ -44,11 +44,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from mpx import float8 as core
-from mpx.float8 import Float8Error, Float8Recipe
+from mpx.float8 import Float8Error, Float8Recipe, Float8State, TensorScale
+from mpx.kernels import bits as kbits
+from mpx.kernels import float8 as kf8
+from mpx_jax._array_ops import JAX_OPS
 
 __all__ = [
     "DTYPES",
@@ -57,81 +59,33 @@ __all__ = [
     "amax",
     "compute_scale",
     "float8_init",
-    "float8_state_dict",
     "float8_update",
     "fp8_dot_general",
     "fp8_linear",
-    "load_float8_state_dict",
     "quantize",
     "reduce_amaxes",
     "scale_inv",
-    "update_tensor",
     "window_max",
 ]
 
 #: The JAX dtypes of the core's FP8 formats.
 DTYPES = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
 
-_F32_MAX_BITS = 0x7F7FFFFF
-_TINY_BITS = 0x00800000  # the smallest normal float32, the floor of a scale that underflows
-_MAX_MARGIN = 400  # beyond this every scale underflows to zero (then the floor): keeps int32 exponents small
+
+def _register_pytrees() -> None:
+    """The core's state types as pytrees (once per process: a second registration raises)."""
+    for cls, data, meta in (
+        (TensorScale, ["scale", "amax_history"], ["role"]),
+        (Float8State, ["tensors"], []),
+    ):
+        try:
+            jax.tree_util.register_dataclass(cls, data_fields=data, meta_fields=meta)
+        except ValueError as exc:  # registered already (a reloaded module)
+            if "Duplicate" not in str(exc):
+                raise
 
 
-def _fmt(fmt: str) -> str:
-    core.fp8_max(fmt)  # validates
-    return fmt
-
-
-def _bits(x: jax.Array) -> jax.Array:
-    return lax.bitcast_convert_type(jnp.asarray(x, jnp.float32), jnp.int32)
-
-
-def _float(bits: jax.Array) -> jax.Array:
-    return lax.bitcast_convert_type(bits.astype(jnp.int32), jnp.float32)
-
-
-def _split(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """A finite float32's sign bit, integer mantissa ``M`` in [2**23, 2**24) and exponent ``e`` (x = M*2**(e-23)).
-
-    Subnormals are normalized from their bits (no float arithmetic, so no flush to zero); zero gives
-    ``M = 0``.  Returns (sign, M, e, is_zero).
-    """
-    bits = _bits(x)
-    sign = bits & jnp.int32(-(2**31))
-    field = (bits >> 23) & 0xFF
-    frac = bits & 0x7FFFFF
-    zero = (field == 0) & (frac == 0)
-    # a subnormal's leading one is at bit 31 - clz(frac); shift it to bit 23
-    shift = lax.clz(jnp.maximum(frac, 1)) - 8
-    mant = jnp.where(field == 0, frac << shift, frac | 0x800000)
-    exp = jnp.where(field == 0, -126 - shift, field - 127)
-    return sign, mant, exp, zero
-
-
-def _from_mant(sign: jax.Array, mant_f: jax.Array, exp: jax.Array) -> jax.Array:
-    """``mant_f * 2**exp`` with sign bit ``sign`` (mant_f a float32 in [1, 4)), built on the bits.
-
-    A result below the smallest normal float32 is a signed zero (every such value quantizes to an FP8
-    zero), one above the largest is a signed infinity (the clip takes it to +-fp8_max).
-    """
-    mb = _bits(mant_f)
-    e = ((mb >> 23) & 0xFF) - 127 + exp
-    normal = sign | ((e + 127) << 23) | (mb & 0x7FFFFF)
-    out = jnp.where(e > 127, sign | 0x7F800000, jnp.where(e < -126, sign, normal))
-    return _float(out)
-
-
-def _product(x: jax.Array, scale: jax.Array) -> jax.Array:
-    """``float32(x) * scale`` rounded once as in IEEE arithmetic, for finite operands, without flush to zero.
-
-    A result that would be a float32 subnormal comes back as a signed zero (it is an FP8 zero anyway).
-    """
-    sx, mx, ex, zx = _split(x)
-    ss, ms, es, zs = _split(scale)
-    fx = _float(jnp.int32(127 << 23) | (mx & 0x7FFFFF))  # mantissas as floats in [1, 2)
-    fs = _float(jnp.int32(127 << 23) | (ms & 0x7FFFFF))
-    out = _from_mant(sx ^ ss, fx * fs, ex + es)
-    return jnp.where(zx | zs, _float(sx ^ ss), out)
+_register_pytrees()
 
 
 def quantize(x: Any, scale: Any, fmt: str) -> jax.Array:
@@ -141,15 +95,10 @@ def quantize(x: Any, scale: Any, fmt: str) -> jax.Array:
         x: an array (any float dtype; upcast to float32 first).
         scale: the float32 scale (a scalar array or number), positive.
         fmt: ``"e4m3"`` (``float8_e4m3fn``) or ``"e5m2"``.
+
+    :func:`mpx.kernels.float8.quantize` with JAX's table.
     """
-    limit = jnp.float32(core.fp8_max(fmt))
-    xf = jnp.asarray(x).astype(jnp.float32)
-    s = jnp.asarray(scale, jnp.float32)
-    finite = jnp.isfinite(xf) & jnp.isfinite(s)
-    # a non-finite x keeps its value (the scale is positive); a non-finite scale multiplies as IEEE does
-    exact = _product(jnp.where(finite, xf, 0.0), jnp.where(finite, s, 1.0))
-    scaled = jnp.where(finite, exact, jnp.where(jnp.isfinite(s), xf, xf * s))
-    return jnp.clip(scaled, -limit, limit).astype(DTYPES[fmt])
+    return kf8.quantize(JAX_OPS, x, scale, fmt)
 
 
 def scale_inv(scale: Any) -> jax.Array:
@@ -160,201 +109,61 @@ def scale_inv(scale: Any) -> jax.Array:
 def amax(x: Any) -> jax.Array:
     """``max(|x|)`` in float32 (NaN if any element is NaN), the amax the recipe records.
 
-    Taken on the bits (sign cleared, a non-negative float32's bits order as its value; NaN's above
-    inf's): XLA:CPU's float ``abs``/``max`` flush a float32 subnormal to zero, which would record a
-    zero amax where the reference records the subnormal.
+    :func:`mpx.kernels.bits.abs_max` with JAX's table: on the bits, since XLA:CPU's float
+    ``abs``/``max`` flush a float32 subnormal to zero.
     """
-    return _float(jnp.max(_bits(jnp.asarray(x).astype(jnp.float32)) & 0x7FFFFFFF))
-
-
-def _order_key(bits: jax.Array) -> jax.Array:
-    """An int32 that orders float32 bit patterns as their values (an involution)."""
-    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
-
-
-def _below(x: jax.Array, bound: float) -> jax.Array:
-    """``float32 x < bound`` for a Python float ``bound`` (exact, on the bits: no flush to zero)."""
-    b32 = float(np.float32(bound))
-    limit = np.float32(bound) if b32 >= bound else np.nextafter(np.float32(bound), np.float32(np.inf))
-    # x < bound  <=>  x < limit, the smallest float32 >= bound
-    return _order_key(_bits(x)) < int(_order_key_np(limit))
-
-
-def _order_key_np(value: np.float32) -> int:
-    b = int(np.float32(value).view(np.int32))
-    return b ^ ((b >> 31) & 0x7FFFFFFF)
-
-
-def _finite(x: jax.Array) -> jax.Array:
-    return ((_bits(x) >> 23) & 0xFF) != 0xFF
-
-
-def _scale_from_amax(recipe: Float8Recipe, a: jax.Array, fmt: str) -> jax.Array:
-    """The float32 bits of the reference's scale for a finite, positive float32 amax ``a``."""
-    limit = core.fp8_max(fmt)
-    _, m_int, ea, _ = _split(a)
-    m = _float(jnp.int32(127 << 23) | (m_int & 0x7FFFFF))
-    q = jnp.float32(limit) / m  # in (limit / 2, limit], correctly rounded (normal operands)
-    qb = _bits(q)
-    eq = ((qb >> 23) & 0xFF) - 127
-    margin = min(recipe.margin, _MAX_MARGIN)
-    e = eq - ea - margin
-    normal = ((e + 127) << 23) | (qb & 0x7FFFFF)
-    # above float32's range: the largest finite float32; below its smallest normal: that normal (the
-    # core's floor, whose inverse is finite).  fl(q) * 2**e rounds like the exact quotient there too.
-    bits = jnp.where(e > 127, jnp.int32(_F32_MAX_BITS), jnp.where(e >= -126, normal, jnp.int32(_TINY_BITS)))
-    if recipe.power_of_two:
-        bits = bits & 0x7F800000
-    return bits
+    return kbits.abs_max(JAX_OPS, x)
 
 
 def compute_scale(recipe: Float8Recipe, amax_value: Any, fmt: str, previous: Any = 1.0) -> jax.Array:
-    """The float32 scale for ``amax_value`` (:func:`mpx.float8.compute_scale`, bit for bit; traceable)."""
-    _fmt(fmt)
-    a = jnp.asarray(amax_value, jnp.float32)
-    prev = jnp.asarray(previous, jnp.float32)
-    finite = _finite(a)
-    if recipe.scaling == "current":
-        floor_bits = int(np.float32(core.compute_scale(recipe, 0.0, fmt)).view(np.int32))
-        floored = _below(a, core.CURRENT_AMAX_FLOOR)
-        safe = jnp.where(finite & ~floored, a, jnp.float32(1.0))
-        bits = jnp.where(floored, jnp.int32(floor_bits), _scale_from_amax(recipe, safe, fmt))
-        return jnp.where(finite, _float(bits), jnp.float32(1.0))
-    positive = _bits(a) > 0  # +0 is 0, negatives have the sign bit (negative int32)
-    ok = finite & positive
-    safe = jnp.where(ok, a, jnp.float32(1.0))
-    return jnp.where(ok, _float(_scale_from_amax(recipe, safe, fmt)), prev)
+    """The float32 scale for ``amax_value`` (:func:`mpx.float8.compute_scale`, bit for bit; traceable).
 
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class TensorScale:
-    """One tensor's FP8 scaling state on device: ``scale`` (float32 scalar), ``amax_history``
-    (float32 ``(amax_history_len,)``, most recent first; ``(0,)`` under current scaling) and its
-    ``role`` (static: ``"input"``, ``"weight"`` or ``"grad"``)."""
-
-    scale: jax.Array
-    amax_history: jax.Array
-    role: str = dataclasses.field(metadata={"static": True}, default="input")
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Float8State:
-    """The FP8 state of a model: ``tensors`` (name -> :class:`TensorScale`), a pytree."""
-
-    tensors: dict[str, TensorScale]
+    :func:`mpx.kernels.float8.compute_scale` with JAX's table.
+    """
+    return kf8.compute_scale(JAX_OPS, recipe, amax_value, fmt, previous)
 
 
 def float8_init(recipe: Float8Recipe, roles: Mapping[str, str]) -> Float8State:
-    """A fresh state (:func:`mpx.float8.float8_init`): scale 1.0 and a zero history per tensor."""
-    return _from_core(recipe, core.float8_init(recipe, roles))
-
-
-def _from_core(recipe: Float8Recipe, state: core.Float8State) -> Float8State:
-    return Float8State(
-        {
-            name: TensorScale(
-                jnp.asarray(ts.scale, jnp.float32), jnp.asarray(ts.amax_history, jnp.float32), ts.role
-            )
-            for name, ts in state.tensors.items()
-        }
-    )
-
-
-def update_tensor(
-    recipe: Float8Recipe, ts: TensorScale, amax_value: Any, skipped: Any = False
-) -> TensorScale:
-    """One tensor's step of :func:`float8_update` (selects only)."""
-    fmt = recipe.format_of(ts.role)
-    a = jnp.asarray(amax_value, jnp.float32)
-    if recipe.scaling == "current":
-        new = TensorScale(compute_scale(recipe, a, fmt, ts.scale), ts.amax_history, ts.role)
-    else:
-        hist = ts.amax_history
-        pushed = jnp.concatenate([a[None], hist[:-1]])
-        hist_new = jnp.where(_finite(a), pushed, hist)
-        if recipe.amax_compute == "most_recent":
-            window = hist_new[0]
-        else:
-            window = _float(_order_key(jnp.max(_order_key(_bits(hist_new)))))
-        new = TensorScale(compute_scale(recipe, window, fmt, ts.scale), hist_new, ts.role)
-    if skipped is False:
-        return new
-    skip = jnp.asarray(skipped, jnp.bool_)
-    return TensorScale(
-        jnp.where(skip, ts.scale, new.scale), jnp.where(skip, ts.amax_history, new.amax_history), ts.role
-    )
+    """A fresh state of JAX arrays: :func:`mpx.float8.float8_init` with ``ops=JAX_OPS`` (scale 1.0, a zero
+    history per tensor)."""
+    return core.float8_init(recipe, roles, ops=JAX_OPS)
 
 
 def float8_update(
     recipe: Float8Recipe, state: Float8State, amaxes: Mapping[str, Any], *, skipped: Any = False
 ) -> Float8State:
-    """The state after one optimizer step that saw ``amaxes`` (:func:`mpx.float8.float8_update`, bit for bit).
+    """The state after one optimizer step that saw ``amaxes``: :func:`mpx.float8.float8_update` with
+    ``ops=JAX_OPS`` (bit for bit the reference, selects only).
 
     ``amaxes``: tensor name -> float32 scalar (the step's ``max(|x|)``; replicas reduced first with
     :func:`reduce_amaxes`).  ``skipped``: a Python or traced bool; when true the state comes back
     unchanged (a select, so one compiled step serves both).  Unknown names raise :class:`mpx.Float8Error`.
     """
-    unknown = [name for name in amaxes if name not in state.tensors]
-    if unknown:
-        raise Float8Error(f"amaxes: unknown tensor {unknown[0]!r}; known: {', '.join(state.tensors)}")
-    tensors = dict(state.tensors)
-    for name, value in amaxes.items():
-        tensors[name] = update_tensor(recipe, tensors[name], value, skipped)
-    return Float8State(tensors)
+    return core.float8_update(recipe, state, amaxes, skipped=skipped, ops=JAX_OPS)
 
 
 def window_max(a: Any, b: Any) -> jax.Array:
-    """Elementwise MAX of amaxes where NaN wins (as :func:`mpx.float8.reduce_amaxes`), compared on the bits
-    (exact for float32 subnormals, which XLA:CPU's float compare flushes): an accumulation window's amax."""
-    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
-    out = _float(_order_key(jnp.maximum(_order_key(_bits(a)), _order_key(_bits(b)))))
-    return jnp.where(jnp.isnan(a) | jnp.isnan(b), jnp.float32(jnp.nan), out)
+    """Elementwise MAX of amaxes where NaN wins (:func:`mpx.kernels.float8.window_max` with JAX's table):
+    an accumulation window's amax."""
+    return kf8.window_max(JAX_OPS, a, b)
 
 
 def reduce_amaxes(amaxes: Any, axis_name: Any) -> Any:
-    """Every amax leaf reduced with MAX over the mapped axis ``axis_name`` (``lax.pmax``; NaN wins).
+    """Every amax leaf reduced with MAX over the mapped axis ``axis_name`` where a NaN wins: on every
+    replica, :func:`window_max` of all the replicas' values.
 
-    NaN wins as in :func:`mpx.float8.reduce_amaxes`: XLA:CPU's max all-reduce drops a NaN (1.0 and NaN
-    reduce to 1.0), so a NaN flag is reduced alongside.
+    ``lax.pmax`` of the amaxes' int32 order keys (:func:`mpx.kernels.bits.order_key`, which order
+    float32 bits as their values, subnormals included: XLA:CPU's float max all-reduce flushes those
+    and drops a NaN), with a NaN flag reduced alongside.
     """
+    o = JAX_OPS
 
     def one(a: Any) -> jax.Array:
-        a = jnp.asarray(a, jnp.float32)
-        any_nan = lax.pmax(jnp.isnan(a).astype(jnp.int32), axis_name) > 0
-        return jnp.where(any_nan, jnp.float32(jnp.nan), lax.pmax(a, axis_name))
+        key = lax.pmax(kbits.order_key(o, kbits.to_bits(o, a)), axis_name)
+        any_nan = lax.pmax(o.cast(kbits.is_nan(o, a), "int32"), axis_name) > 0
+        return o.where(any_nan, jnp.float32(jnp.nan), kbits.from_bits(o, kbits.order_key(o, key)))
 
     return jax.tree_util.tree_map(one, amaxes)
-
-
-def to_core(state: Float8State) -> core.Float8State:
-    """The core's immutable :class:`mpx.float8.Float8State` of host floats (a device read)."""
-    return core.Float8State(
-        {
-            name: core.TensorScale(
-                ts.role,
-                float(np.asarray(ts.scale, np.float32)),
-                tuple(float(v) for v in np.asarray(ts.amax_history, np.float32)),
-            )
-            for name, ts in state.tensors.items()
-        }
-    )
-
-
-def float8_state_dict(recipe: Float8Recipe, state: Float8State) -> dict[str, Any]:
-    """The neutral ``mpx.float8/1`` state dict (:func:`mpx.float8.float8_state_dict`; JSON-safe)."""
-    return core.float8_state_dict(recipe, to_core(state))
-
-
-def load_float8_state_dict(data: Mapping[str, Any]) -> tuple[Float8Recipe, Float8State]:
-    """Read an ``mpx.float8/1`` dict (from any backend), validated all or nothing by the core.
-
-    Raises:
-        StateDictError: naming the bad field.
-    """
-    recipe, state = core.load_float8_state_dict(data)
-    return recipe, _from_core(recipe, state)
 
 
 # -- the FP8 GEMM --------------------------------------------------------------------------------------

@@ -25,8 +25,9 @@ gradients and then commits the FP8 state exactly when the optimizer state moved:
 * under ``pmap``/``shard_map`` pass ``axis_name=`` and the amaxes are reduced with
   MAX over the replicas first (:func:`mpx_jax.float8.reduce_amaxes`).
 
-The update is :func:`mpx_jax.float8.update_tensor` (selects only): one compiled
-step serves applied, skipped and accumulating steps.
+The update is the core's :func:`mpx.kernels.float8.update_tensor` and the window's
+MAX :func:`mpx.kernels.float8.window_max`, with JAX's table (selects only): one
+compiled step serves applied, skipped and accumulating steps.
 
 >>> import jax.numpy as jnp, optax, mpx, mpx_jax
 >>> from flax import nnx
@@ -49,10 +50,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mpx import float8 as core
 from mpx.errors import UnsupportedTypeError
 from mpx.float8 import ROLES, Float8Error, Float8Recipe, check_model_state, one_recipe, tensor_key
+from mpx.kernels import float8 as kf8
 from mpx.policy import Policy
 from mpx_jax import float8 as f8
+from mpx_jax._array_ops import JAX_OPS
 from mpx_jax.opt_state import get_loss_scale
 
 __all__ = [
@@ -61,7 +65,7 @@ __all__ = [
     "Float8Linear",
     "Float8Scale",
     "commit_float8",
-    "float8_modules",
+    "float8_layers",
     "float8_state_dict",
     "float8_step",
     "load_float8_state_dict",
@@ -156,8 +160,8 @@ class Float8Linear(nnx.Module):
         return y
 
 
-def float8_modules(model: nnx.Module) -> Iterator[tuple[str, Float8Linear]]:
-    """Every :class:`Float8Linear` in ``model`` with its dotted path."""
+def float8_layers(model: nnx.Module) -> Iterator[tuple[str, Float8Linear]]:
+    """Every :class:`Float8Linear` in ``model`` with its dotted path (``"<path>"``, as state dicts name it)."""
     for path, module in nnx.iter_modules(model):
         if isinstance(module, Float8Linear):
             yield ".".join(str(p) for p in path), module
@@ -198,9 +202,9 @@ def commit_float8(
         new_scale, new_hist = [], []
         skipped = jnp.logical_not(jnp.logical_and(boundary, applied))
         for i, role in enumerate(ROLES):
-            ts = f8.update_tensor(module.recipe, f8.TensorScale(scale[i], hist[i], role), window[i], skipped)
-            new_scale.append(ts.scale)
-            new_hist.append(ts.amax_history)
+            s, h = kf8.update_tensor(JAX_OPS, module.recipe, role, scale[i], hist[i], window[i], skipped)
+            new_scale.append(s)
+            new_hist.append(h)
         module.fp8_scale[...] = jnp.stack(new_scale)
         module.fp8_history[...] = jnp.stack(new_hist).reshape(hist.shape)
         module.fp8_pending[...] = jnp.where(boundary, jnp.float32(-jnp.inf), window)
@@ -237,19 +241,19 @@ def float8_state_dict(model: nnx.Module) -> dict[str, Any]:
 
     Every :class:`Float8Linear` must share one recipe (the dict has one).
     """
-    modules = list(float8_modules(model))
-    if not modules:
+    layers = list(float8_layers(model))
+    if not layers:
         raise Float8Error("model: it has no mpx_jax.float8_flax.Float8Linear, so it has no FP8 state.")
-    recipe = one_recipe((m.recipe for _, m in modules), "Float8Linear layers")
+    recipe = one_recipe((m.recipe for _, m in layers), "Float8Linear layers")
     tensors = {}
-    for path, m in modules:
+    for path, m in layers:
         scale, hist = m.fp8_scale[...], m.fp8_history[...]
         for i, role in enumerate(ROLES):
-            tensors[tensor_key(path, role)] = f8.TensorScale(scale[i], hist[i], role)
-    return f8.float8_state_dict(recipe, f8.Float8State(tensors))
+            tensors[tensor_key(path, role)] = core.TensorScale(role, scale[i], hist[i])
+    return core.state_dict(recipe, core.Float8State(tensors))
 
 
-def load_float8_state_dict(model: nnx.Module, data: Any) -> None:
+def load_float8_state_dict(model: nnx.Module, state_dict: Any) -> None:
     """Load an ``mpx.float8/1`` dict (from any backend) into ``model``'s FP8 state, all or nothing.
 
     The dict must name exactly the model's tensors with their roles and carry the model's recipe.
@@ -257,13 +261,12 @@ def load_float8_state_dict(model: nnx.Module, data: Any) -> None:
     Raises:
         mpx.StateDictError: naming the field that does not fit.
     """
-
-    recipe, state = f8.load_float8_state_dict(data)
-    modules = list(float8_modules(model))
-    own = one_recipe((m.recipe for _, m in modules), "Float8Linear layers") if modules else None
-    check_model_state(recipe, state, own, [path for path, _ in modules])
-    for path, m in modules:
-        m.fp8_scale[...] = jnp.stack([state.tensors[tensor_key(path, r)].scale for r in ROLES])
+    recipe, state = core.load_state_dict(state_dict)
+    layers = list(float8_layers(model))
+    own = one_recipe((m.recipe for _, m in layers), "Float8Linear layers") if layers else None
+    check_model_state(recipe, state, own, [path for path, _ in layers])
+    for path, m in layers:
+        m.fp8_scale[...] = jnp.asarray([state.tensors[tensor_key(path, r)].scale for r in ROLES], jnp.float32)
         hist = [state.tensors[tensor_key(path, r)].amax_history for r in ROLES]
-        m.fp8_history[...] = jnp.stack(hist).reshape(m.fp8_history[...].shape)
+        m.fp8_history[...] = jnp.asarray(hist, jnp.float32).reshape(m.fp8_history[...].shape)
         m.fp8_pending[...] = jnp.full((len(ROLES),), -jnp.inf, jnp.float32)

@@ -33,7 +33,9 @@ import jax
 import jax.numpy as jnp
 
 from mpx.float8 import ROLES, Float8Recipe
+from mpx.kernels import float8 as kf8
 from mpx_jax import float8 as f8
+from mpx_jax._array_ops import JAX_OPS
 from mpx_jax.opt_state import get_loss_scale
 
 __all__ = ["Float8Dense", "commit_float8", "step_outcome"]
@@ -108,7 +110,8 @@ def commit_float8(
     applied: Any = True,
     axis_name: Any = None,
 ) -> Any:
-    """The ``fp8`` collection after one micro-step (pure; selects only).
+    """The ``fp8`` collection after one micro-step (pure; selects only): the window's MAX
+    (:func:`mpx.kernels.float8.window_max`) and each tensor's :func:`mpx.kernels.float8.update_tensor`.
 
     Args:
         recipe: the layers' :class:`mpx.Float8Recipe`.
@@ -126,10 +129,11 @@ def commit_float8(
         skipped = jnp.logical_not(jnp.logical_and(boundary, applied))
         scales, hists = [], []
         for i, role in enumerate(ROLES):
-            ts = f8.TensorScale(layer["scale"][i], layer["history"][i], role)
-            ts = f8.update_tensor(recipe, ts, window[i], skipped)
-            scales.append(ts.scale)
-            hists.append(ts.amax_history)
+            s, h = kf8.update_tensor(
+                JAX_OPS, recipe, role, layer["scale"][i], layer["history"][i], window[i], skipped
+            )
+            scales.append(s)
+            hists.append(h)
         return {
             "scale": jnp.stack(scales),
             "history": jnp.stack(hists).reshape(layer["history"].shape),

@@ -15,7 +15,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import mpx
 from mpx import float8 as core
 from mpx.float8 import Float8Recipe
 from mpx_jax import float8 as f8
@@ -149,8 +148,9 @@ ROLES = {"x": "input", "w": "weight", "g": "grad"}
 
 
 def _assert_state_equal(jstate, cstate):
-    got = f8.to_core(jstate)
-    assert set(got.tensors) == set(cstate.tensors)
+    """The same tensors, roles and bits (a state of JAX arrays, or of host values, against the core's)."""
+    got = jstate
+    assert isinstance(got, core.Float8State) and set(got.tensors) == set(cstate.tensors)
     for name, ts in cstate.tensors.items():
         mine = got.tensors[name]
         assert mine.role == ts.role
@@ -252,15 +252,22 @@ REPLICA_SCRIPT = textwrap.dedent(
     assert jax.device_count() == 2, jax.devices()
     roles = {"x": "input", "w": "weight", "g": "grad"}
     r = core.Float8Recipe(amax_history_len=4)
-    per = np.array([[1.0, 7.0, np.nan], [3.0, 2.0, 1.0]], np.float32)
+    per = np.array([[1e-40, 7.0, np.nan, 2.0], [0.0, 2.0, 1.0, 3.0]], np.float32)  # a subnormal amax too
+    roles = {**roles, "y": "input"}
     ref = core.float8_update(r, core.float8_init(r, roles), core.reduce_amaxes(
         [dict(zip(roles, row.tolist())) for row in per]))
     want = np.asarray([ref.tensors[n].scale for n in roles], np.float32)
 
     def step(a):
-        red = f8.reduce_amaxes({"x": a[0, 0], "w": a[0, 1], "g": a[0, 2]}, "d")
+        red = f8.reduce_amaxes(dict(zip(roles, a[0])), "d")
         s = f8.float8_update(r, f8.float8_init(r, roles), red)
         return jnp.stack([s.tensors[n].scale for n in roles])[None]
+
+    # the replicas' MAX is window_max's (NaN wins, the subnormal kept)
+    reduced = jax.pmap(lambda a: f8.reduce_amaxes(a, "d"), axis_name="d")(per)
+    folded = np.asarray(f8.window_max(per[0], per[1]))
+    assert np.array_equal(np.asarray(reduced)[0].view(np.uint32)[[0, 1, 3]], folded.view(np.uint32)[[0, 1, 3]])
+    assert np.isnan(np.asarray(reduced)[:, 2]).all() and np.isnan(folded[2])
 
     mesh = Mesh(np.array(jax.devices()[:2]), ("d",))
     out = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("d"), out_specs=P("d")))(per)
@@ -290,25 +297,20 @@ def test_state_dict_round_trips_through_the_core_and_json():
     s = f8.float8_init(r, ROLES)
     for a in (1.0, 50.0, 0.25):
         s = f8.float8_update(r, s, {"x": a, "w": 2 * a, "g": 3 * a})
-    d = f8.float8_state_dict(r, s)
+    d = core.state_dict(r, s)  # the core reads the JAX arrays
     assert d["format"] == "mpx.float8/1"
-    text = json.dumps(d)
-    recipe_c, state_c = core.load_float8_state_dict(json.loads(text))
+    recipe_c, state_c = core.load_state_dict(json.loads(json.dumps(d)))
     assert recipe_c == r
     _assert_state_equal(s, state_c)
-    recipe_j, s2 = f8.load_float8_state_dict(core.float8_state_dict(recipe_c, state_c))
-    assert recipe_j == r
-    _assert_state_equal(s2, state_c)
-    # and it keeps stepping identically
-    _assert_state_equal(f8.float8_update(r, s2, {"x": 9.0}), core.float8_update(r, state_c, {"x": 9.0}))
+    # the loaded host values step on with JAX's table, eagerly and under jit, as the core's do
+    want = core.float8_update(r, state_c, {"x": 9.0})
+    _assert_state_equal(f8.float8_update(r, state_c, {"x": 9.0}), want)
+    _assert_state_equal(jax.jit(lambda st: f8.float8_update(r, st, {"x": 9.0}))(state_c), want)
 
 
-def test_bad_state_dict_raises_state_dict_error():
-    r = Float8Recipe(amax_history_len=2)
-    d = f8.float8_state_dict(r, f8.float8_init(r, {"x": "input"}))
-    d["tensors"]["x"]["scale"] = -1.0
-    with pytest.raises(mpx.StateDictError, match=r"tensors\['x'\].scale: expected a positive finite float32"):
-        f8.load_float8_state_dict(d)
+def test_the_state_types_are_the_cores():
+    assert f8.TensorScale is core.TensorScale and f8.Float8State is core.Float8State
+    assert not hasattr(f8, "float8_state_dict") and not hasattr(f8, "load_float8_state_dict")
 
 
 # -- the FP8 GEMM -----------------------------------------------------------------------------------------

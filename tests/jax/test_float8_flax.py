@@ -17,6 +17,7 @@ from mpx_jax import get_loss_scale, with_loss_scaling  # noqa: E402
 from mpx_jax.float8_flax import (  # noqa: E402
     FLOAT8_GRADS,
     Float8Linear,
+    float8_layers,
     float8_state_dict,
     float8_step,
     load_float8_state_dict,
@@ -108,7 +109,7 @@ def test_fp8_state_trace_equals_the_core_reference_with_skips(recipe):
         amax_steps.append(np.asarray(_train_step(model, opt, x, y)))
         applied.append(int(get_loss_scale(opt).skipped_steps) == skipped_before)
     assert applied == [True, True, False, True, True, False, True, True]
-    ref = core.float8_state_dict(recipe, _replay(recipe, amax_steps, applied))
+    ref = core.state_dict(recipe, _replay(recipe, amax_steps, applied))
     assert float8_state_dict(model) == ref
 
 
@@ -128,7 +129,7 @@ def test_accumulation_windows_commit_the_window_max_at_the_boundary():
             windows.append(np.maximum(steps[-2], steps[-1]))
             applied.append(int(get_loss_scale(opt).skipped_steps) == skipped_before)
     assert applied == [True, True, False, True]
-    assert float8_state_dict(model) == core.float8_state_dict(RECIPE, _replay(RECIPE, windows, applied))
+    assert float8_state_dict(model) == core.state_dict(RECIPE, _replay(RECIPE, windows, applied))
 
 
 def test_checkpoint_round_trips_through_the_core():
@@ -136,17 +137,18 @@ def test_checkpoint_round_trips_through_the_core():
     for s in range(3):
         _train_step(model, opt, *_data(s))
     d = float8_state_dict(model)
-    recipe, state = core.load_float8_state_dict(json.loads(json.dumps(d)))
+    recipe, state = core.load_state_dict(json.loads(json.dumps(d)))
     assert recipe == RECIPE and set(state.tensors) == {f"{m}.{r}" for m in ("l1", "l2") for r in core.ROLES}
     fresh, _ = _make()
-    load_float8_state_dict(fresh, core.float8_state_dict(recipe, state))
+    assert [path for path, layer in float8_layers(fresh) if isinstance(layer, Float8Linear)] == ["l1", "l2"]
+    load_float8_state_dict(fresh, state_dict=core.state_dict(recipe, state))
     assert float8_state_dict(fresh) == d
     bad = json.loads(json.dumps(d))
     bad["tensors"].pop("l2.grad")
     before = _bits(nnx.state(fresh))
     with pytest.raises(mpx.StateDictError, match="tensors: expected the model's 6 FP8 tensors"):
         load_float8_state_dict(fresh, bad)
-    other = core.float8_state_dict(mpx.Float8Recipe(amax_history_len=4, margin=2), state)
+    other = core.state_dict(mpx.Float8Recipe(amax_history_len=4, margin=2), state)
     with pytest.raises(mpx.StateDictError, match="recipe: .* differs from the model's in margin"):
         load_float8_state_dict(fresh, other)
     assert _bits(nnx.state(fresh)) == before

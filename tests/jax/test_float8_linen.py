@@ -99,12 +99,12 @@ def test_fp8_collection_follows_the_core_reference_and_a_skip_changes_nothing(ac
 def test_dense_state_dict_through_the_core():
     model, params, fp8, sinks, tx, opt = _setup(RECIPE, 1)
     params, fp8, opt, _ = _step_fn(model, RECIPE, tx)(params, fp8, sinks, opt, *_data(0))
-    state = f8.Float8State(
+    state = f8.Float8State(  # the core's types, holding the collection's JAX arrays
         {
-            f"{m}.{r}": f8.TensorScale(fp8[m]["scale"][j], fp8[m]["history"][j], r)
+            f"{m}.{r}": f8.TensorScale(r, fp8[m]["scale"][j], fp8[m]["history"][j])
             for m in ("l1", "l2")
             for j, r in enumerate(core.ROLES)
         }
     )
-    recipe, back = core.load_float8_state_dict(f8.float8_state_dict(RECIPE, state))
+    recipe, back = core.load_state_dict(core.state_dict(RECIPE, state))
     assert recipe == RECIPE and back.tensors["l1.input"].amax_history[0] == float(np.abs(_data(0)[0]).max())
