@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from mpx_tools.tables import md_table, text_table, write_files
+from mpx_tools.reports import md_table, pyplot, save_figure, text_table, write_files
 
 __all__ = ["markdown", "terminal", "write_all", "write_chart"]
 
@@ -202,12 +202,8 @@ def write_chart(data: dict[str, Any], path: Path) -> Path | None:
     """``bench.png``: per backend, the median step time of each configuration (min-max whiskers) on its own
     axis, and below it every time ratio (median, min-max whiskers) on a log axis around 1; None without
     matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     rows = [c for c in data["configs"] if c["status"] == "ok"]
     backends = list(dict.fromkeys(c["backend"] for c in rows)) or ["-"]
@@ -240,10 +236,7 @@ def write_chart(data: dict[str, Any], path: Path) -> Path | None:
         ax2.set_title(f"{b}: ratios of per-round pairs", fontsize=10)
     s = data["settings"]
     fig.suptitle(f"mpx bench: {s['model']} ({s['size']}) on {data['machine']['cpu_model']}", fontsize=11)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=100)
 
 
 def write_all(data: dict[str, Any], out: Path) -> dict[str, Path]:

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from mpx.history import ScalerHistory
-from mpx_tools.tables import md_table, text_table, write_files
+from mpx_tools.reports import md_table, pyplot, save_figure, text_table, write_files
 
 __all__ = ["draw_timeline", "markdown", "plot_history", "terminal", "write_all", "write_chart"]
 
@@ -26,21 +26,16 @@ def draw_timeline(ax: Any, history: ScalerHistory, label: str | None = None) -> 
 
 def plot_history(history: ScalerHistory, path: Path, title: str | None = None) -> Path:
     """Write a PNG of ``history``'s timeline (scale per step; skipped steps marked); returns ``path``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
+    if plt is None:
+        raise ImportError("drawing a scaler history needs matplotlib (pip install matplotlib)")
     fig, ax = plt.subplots(figsize=(8, 3.5))
     draw_timeline(ax, history, "scale")
     n = len(history)
     growths, backoffs, skips = sum(history.growth), sum(history.backoff), sum(history.skipped)
     ax.set_title(title or f"loss scale: {n} steps, {skips} skipped, {growths} growths, {backoffs} backoffs")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=90)
 
 
 def _table(data: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
@@ -79,7 +74,9 @@ def _settings_line(data: dict[str, Any]) -> str:
 
 def terminal(data: dict[str, Any]) -> str:
     """The summary table as plain text."""
-    return "\n".join(["mpx compare: " + _settings_line(data), *_backends(data), "", text_table(*_table(data))])
+    return "\n".join(
+        ["mpx compare: " + _settings_line(data), *_backends(data), "", text_table(*_table(data))]
+    )
 
 
 def markdown(data: dict[str, Any]) -> str:
@@ -101,12 +98,8 @@ def markdown(data: dict[str, Any]) -> str:
 
 def write_chart(data: dict[str, Any], path: Path) -> Path | None:
     """Per backend: the training loss (seed 0) of float32 and each policy, and the loss scale per step."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     backends = [b for b in data["backends"] if any(r["backend"] == b for r in data["runs"])]
     if not backends:
@@ -131,10 +124,7 @@ def write_chart(data: dict[str, Any], path: Path) -> Path | None:
         axes[1][j].set_yscale("log", base=2)
         if axes[1][j].lines:
             axes[1][j].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=90)
 
 
 def write_all(data: dict[str, Any], out: Path) -> dict[str, Path]:

@@ -1,4 +1,5 @@
-"""The tables and report files ``mpx bench`` and ``mpx compare`` write (stdlib only).
+"""The tables, charts and report files ``mpx bench`` and ``mpx compare`` write (stdlib only; matplotlib
+is imported when a chart is drawn).
 
 >>> print(text_table(["backend", "ms"], [["torch", "1.5"], ["jax", "12.0"]]))
 backend  ms
@@ -18,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["md_table", "text_table", "write_files"]
+__all__ = ["md_table", "pyplot", "save_figure", "text_table", "write_files"]
 
 
 def text_table(head: list[str], rows: list[list[str]]) -> str:
@@ -60,3 +61,25 @@ def write_files(
     if png is not None:
         paths["png"] = png
     return paths
+
+
+def pyplot() -> Any | None:
+    """matplotlib's ``pyplot`` drawing to files only (the Agg backend), or None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def save_figure(fig: Any, path: Path, dpi: int) -> Path:
+    """Lay ``fig`` out, write it to ``path`` (PNG) and close it; returns ``path``."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
