@@ -336,7 +336,7 @@ def run_accumulation(p: dict, mode: str) -> dict:
 
 
 def run_models(p: dict, mode: str) -> dict:
-    """HF Transformers models from tiny configs, torch.autocast against prepare (conformance.models.torch)."""
+    """HF Transformers models from tiny configs, torch.autocast against prepare (mpx_tools.models.torch)."""
     from mpx_tools.models import torch as models
 
     return models.observe(p, mode)

@@ -1,7 +1,8 @@
-"""The ``models`` group: real model code (Hugging Face Transformers) built from tiny configs, natively and under mpx.
+"""The models of the conformance ``models`` group (also timed by ``mpx bench``): real model code (Hugging
+Face Transformers) built from tiny configs, natively and under mpx.
 
 Each model (GPT-2, Llama, BERT, T5, ViT; random weights, nothing downloaded) is one set of cases,
-one per aspect (:data:`ASPECTS`).  A backend's models module (``conformance.models.torch``) builds
+one per aspect (:data:`ASPECTS`).  A backend's models module (``mpx_tools.models.torch``) builds
 the models and observes each aspect in both modes; natively the framework's own autocast runs,
 under mpx the prepared model.  What is measured is deterministic: dtypes, graph counts, the scale
 trace, bytes; the logits' error is a number checked against a bound.
