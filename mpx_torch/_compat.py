@@ -1,7 +1,7 @@
 """Every PyTorch internal mpx_torch uses, in one place, behind one version gate.
 
-mpx_torch reaches a few of torch's private names: the two AMP kernels its
-``GradScaler`` runs (the ones ``torch.amp.GradScaler`` runs), dynamo's skip
+mpx_torch reaches a few of torch's private names: the AMP kernel its
+``GradScaler`` unscales with (the one ``torch.amp.GradScaler`` runs), dynamo's skip
 machinery (so compiled steps call the scaler eagerly, as they call torch's),
 the default-device context dynamo traces, the private base classes of torch's
 norms and losses, and the values of a sparse gradient.  Each is looked up here,
@@ -32,7 +32,6 @@ from mpx.versions import missing_internal, require_version
 require_version("torch", torch.__version__)
 
 __all__ = [
-    "amp_update_scale_",
     "category_classes",
     "dynamo_skip",
     "dynamo_run_eagerly",
@@ -67,7 +66,7 @@ def _module(path: str, used_for: str) -> Any:
         raise missing_internal("torch", torch.__version__, path, used_for) from None
 
 
-# -- the AMP kernels (torch.amp.GradScaler's) ------------------------------------------------------------
+# -- the AMP unscale kernel (torch.amp.GradScaler's) --------------------------------------------------------
 def foreach_non_finite_check_and_unscale_(
     grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor
 ) -> None:
@@ -80,21 +79,6 @@ def foreach_non_finite_check_and_unscale_(
         "GradScaler.unscale_ and GradScaler.step (the gradients' inf/NaN check)",
     )
     kernel(grads, found_inf, inv_scale)
-
-
-def amp_update_scale_(
-    scale: torch.Tensor,
-    growth_tracker: torch.Tensor,
-    found_inf: torch.Tensor,
-    growth_factor: float,
-    backoff_factor: float,
-    growth_interval: int,
-) -> None:
-    """``torch._amp_update_scale_``: torch's own scale update, in place (float64 products, no sync)."""
-    kernel = internal(
-        torch, "_amp_update_scale_", "torch._amp_update_scale_", "GradScaler.update (the scale's update)"
-    )
-    kernel(scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval)
 
 
 def step_supports_amp_scaling(optimizer: torch.optim.Optimizer) -> bool:

@@ -1,5 +1,10 @@
-"""The device half of :class:`mpx_torch.GradScaler`: the scale and counters as tensors, and one
-step of :func:`mpx.scaler_update` in tensor ops (no host sync), bit for bit as torch's own kernel."""
+"""The device half of :class:`mpx_torch.GradScaler`: the scale and the counters as tensors, advanced by the
+core's kernel (:func:`mpx.kernels.scale.update`) with the torch table: tensor ops, no host sync.
+
+The kernel's products are torch's own rule, ``float32(float64(scale) * float64(factor))`` (the table
+has float64), so a scaler configured as torch's (``min_scale=None, max_scale=None``) moves bit for bit
+as ``torch.amp.GradScaler``.
+"""
 
 from __future__ import annotations
 
@@ -7,89 +12,73 @@ from typing import Any
 
 import torch
 
-from mpx import COUNTER_MAX, ScalerConfig, ScalerState
-from mpx_torch import _compat
+from mpx import ScalerConfig, ScalerState
+from mpx.kernels import scale as kernel
+from mpx_torch._array_ops import TorchOps, ops_for
 
 __all__ = ["DeviceState"]
 
 
 class DeviceState:
-    """The scale, the counters and the config's float32 constants, as tensors on one device.
+    """The scale (float32) and the four counters (int32) of :class:`mpx.ScalerState` as tensors on one device.
 
-    ``steps`` is counted on the host (every :meth:`GradScaler.update` adds one,
-    whatever the gradients), the rest on the device.
+    :meth:`advance` runs one step of the kernel and writes the results into these tensors in place
+    (code holding ``scaler._scale`` sees the new scale, as with torch's GradScaler).  ``updates``
+    counts the calls of :meth:`advance` on the host (from the loaded state's ``steps``), so a caller
+    can tell that a step happened without reading the device.
     """
 
-    #: use ``torch._amp_update_scale_`` (one kernel, as torch's GradScaler; a torch without it raises
-    #: :class:`mpx.FrameworkVersionError`, see :mod:`mpx_torch._compat`): the scale's products are then
-    #: torch's own, ``float32(float64(scale) * float64(factor))``, bit for bit.  False: the same
-    #: arithmetic in tensor ops (the tests run both and compare them)
-    use_torch_kernel = True
-
     def __init__(self, config: ScalerConfig, state: ScalerState, device: torch.device) -> None:
-        self.device = device
+        self.device = torch.device(device)
+        self.ops: TorchOps = ops_for(self.device)
+        self.config = config
         self.scale = self._full(state.scale, torch.float32)
-        self.consecutive_nonfinite = self._full(state.consecutive_nonfinite, torch.int64)
-        self.skipped_steps = self._full(state.skipped_steps, torch.int64)
-        self.zero = self._full(0, torch.int64)
-        self.steps = state.steps
-        self.growth_tracker = self._full(state.growth_tracker, torch.int32)  # the kernel's tracker is int32
-        self.set_config(config)
+        self.growth_tracker = self._full(state.growth_tracker, torch.int32)
+        self.consecutive_nonfinite = self._full(state.consecutive_nonfinite, torch.int32)
+        self.steps = self._full(state.steps, torch.int32)
+        self.skipped_steps = self._full(state.skipped_steps, torch.int32)
+        self.updates = state.steps
 
     def _full(self, value: Any, dtype: torch.dtype) -> torch.Tensor:
         return torch.full((), value, dtype=dtype, device=self.device)
 
+    def tensors(self) -> kernel.ScaleState:
+        """The state as the kernel's :class:`~mpx.kernels.scale.ScaleState` of these tensors."""
+        return kernel.ScaleState(
+            self.scale, self.growth_tracker, self.consecutive_nonfinite, self.steps, self.skipped_steps
+        )
+
     def set_config(self, config: ScalerConfig) -> None:
-        lo, hi = config.bounds  # a validated config: lo >= 2**-126, hi <= float32's max or inf
-        # the kernel (and the fallback) take the factors as float64 values, as mpx.scale_product does
-        self.factors = (config.growth_factor, config.backoff_factor)
-        self.lo, self.hi = self._full(lo, torch.float32), self._full(hi, torch.float32)
+        self.config = config
 
     def fill(self, state: ScalerState) -> None:
-        self.scale.fill_(state.scale)
-        for name in ("growth_tracker", "consecutive_nonfinite", "skipped_steps"):
-            getattr(self, name).fill_(getattr(state, name))
-        self.steps = state.steps
+        """Write a host state into the tensors (in place)."""
+        for tensor, value in zip(self.tensors(), (state.scale, *_counters(state)), strict=True):
+            tensor.fill_(value)
+        self.updates = state.steps
 
     def read(self) -> ScalerState:
-        tracker, consecutive, skipped = torch.stack(
-            [self.growth_tracker.to(torch.int64), self.consecutive_nonfinite, self.skipped_steps]
-        ).tolist()
-        return ScalerState(float(self.scale.item()), tracker, consecutive, self.steps, skipped)
+        """The state on the host: one device-to-host transfer."""
+        if self.ops.float64:  # every field is exact in float64: one stacked read
+            scale, *counters = torch.stack([t.to(torch.float64) for t in self.tensors()]).tolist()
+        else:
+            scale = self.scale.item()
+            counters = torch.stack(self.tensors()[1:]).tolist()
+        return ScalerState(float(scale), *(int(c) for c in counters))
 
     @torch.no_grad()
-    def advance(self, config: ScalerConfig, found_inf: torch.Tensor) -> None:
-        """One step of :func:`mpx.scaler_update` with tensor ops only (``found_inf`` > 0: not finite).
+    def advance(self, found_inf: torch.Tensor) -> None:
+        """One step of :func:`mpx.scaler_update` for a step whose combined flag is ``found_inf``
+        (a float32 scalar; nonzero: not finite, as torch's kernel reads it).  No host sync."""
+        if found_inf.dim():
+            found_inf = found_inf.reshape(())
+        before = self.tensors()
+        after = kernel.update(self.ops, self.config, before, torch.eq(found_inf, 0))
+        for old, new in zip(before, after, strict=True):
+            if new is not old:
+                old.copy_(new)
+        self.updates += 1
 
-        The counters saturate at 2**31 - 1, as in the reference.
-        """
-        nonfinite = found_inf > 0
-        self.steps = min(self.steps + 1, COUNTER_MAX)
-        if config.skip_nonfinite:
-            self.skipped_steps.add_(nonfinite).clamp_(max=COUNTER_MAX)
-        consecutive = torch.where(
-            nonfinite, (self.consecutive_nonfinite + 1).clamp_(max=COUNTER_MAX), self.zero
-        )
-        if config.kind == "dynamic":
-            if config.hysteresis > 1:  # a non-finite step before the hysteresis-th keeps the scale
-                keep = nonfinite & (consecutive < config.hysteresis)
-                saved = self.scale.clone()
-            if self.use_torch_kernel:
-                # found_inf: backoff and tracker 0; else the tracker counts and the scale grows (kept if inf)
-                _compat.amp_update_scale_(
-                    self.scale, self.growth_tracker, found_inf, *self.factors, config.growth_interval
-                )
-            else:  # the kernel's arithmetic, with float64 products
-                tracker = torch.where(nonfinite, 0, self.growth_tracker + 1)
-                grow = tracker == config.growth_interval
-                grown = (self.scale.double() * self.factors[0]).float()
-                grown = torch.where(torch.isfinite(grown), grown, self.scale)
-                backed = (self.scale.double() * self.factors[1]).float()
-                self.scale.copy_(torch.where(nonfinite, backed, torch.where(grow, grown, self.scale)))
-                self.growth_tracker.copy_(torch.where(grow, 0, tracker))
-            if config.hysteresis > 1:
-                self.scale.copy_(torch.where(keep, saved, self.scale))
-            # growth capped at max_scale, backoff floored at min_scale (2**-126 for None): a subnormal
-            # (or 0) backoff of the kernel lies below the floor, so its exact value never matters
-            torch.clamp(self.scale, self.lo, self.hi, out=self.scale)
-        self.consecutive_nonfinite.copy_(consecutive)
+
+def _counters(state: ScalerState) -> tuple[int, int, int, int]:
+    return state.growth_tracker, state.consecutive_nonfinite, state.steps, state.skipped_steps

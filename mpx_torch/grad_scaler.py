@@ -2,7 +2,8 @@
 
 The scale and every counter live in tensors on the scaler's device, created
 at the first :meth:`GradScaler.scale`; :meth:`GradScaler.update` advances them
-with tensor ops only (no host sync), bit for bit as :func:`mpx.scaler_update`:
+with the core's kernel (:func:`mpx.kernels.scale.update`, tensor ops, no host sync),
+bit for bit as :func:`mpx.scaler_update`:
 
 >>> import torch
 >>> import mpx, mpx_torch
@@ -14,7 +15,7 @@ with tensor ops only (no host sync), bit for bit as :func:`mpx.scaler_update`:
 >>> scaler.update()
 >>> scaler.get_scale(), w.tolist()
 (131072.0, [0.699999988079071, 0.699999988079071])
->>> mpx.LossScaler.from_state_dict(scaler.state_dict()).scale
+>>> mpx.LossScaler.from_state_dict(scaler.state_dict()).get_scale()
 131072.0
 """
 
@@ -39,6 +40,7 @@ from mpx import (
     scaler_init,
     state_dict,
 )
+from mpx.kernels.ring import check_capacity
 from mpx_torch import _compat
 from mpx_torch._compile import eager_under_dynamo, make_eager
 from mpx_torch._device_state import DeviceState as _DeviceState
@@ -361,11 +363,11 @@ class GradScaler(torch.amp.GradScaler):
                 combined = agree_found_inf(found_infs, tensors.device, group)
             else:
                 combined = found_infs[0] if len(found_infs) == 1 else torch.stack(found_infs).sum()
-            tensors.advance(self._config, combined)
+            tensors.advance(combined)
             if self._history is not None:
                 if not isinstance(self._history, HistoryBuffer):
                     self._history = HistoryBuffer(self._history, tensors.device)
-                self._history.record(tensors)
+                self._history.record(tensors.tensors())
             if self._config.max_consecutive_skips is not None:
                 loss_finite, self._loss_finite = self._loss_finite, None
                 check_stuck_after(self._config, tensors, loss_finite)
@@ -375,13 +377,16 @@ class GradScaler(torch.amp.GradScaler):
     def record_history(self, enabled: bool = True, *, capacity: int = 65536) -> None:
         """Start (or with False stop) recording the state after each :meth:`update`, on device.
 
-        Keeps the last ``capacity`` steps (default 65536; ``capacity x 3`` int64
-        on the device); starting again clears what was recorded.  No host sync.
+        Keeps the last ``capacity`` steps (default 65536; ``capacity x 4`` int32
+        on the device, :mod:`mpx.kernels.ring`); starting again clears what was recorded.  No host sync.
+
+        Raises:
+            mpx.MPXError: for a ``capacity`` that is not an int in [1, 2**31 - 1].
         """
         if not enabled:
             self._history = None
         else:
-            self._history = HistoryBuffer.check(capacity)
+            self._history = check_capacity(capacity)
             if self._tensors is not None:
                 self._history = HistoryBuffer(capacity, self._tensors.device)
 
@@ -416,8 +421,9 @@ class GradScaler(torch.amp.GradScaler):
 
     @property
     def updates(self) -> int:
-        """How many times :meth:`update` ran (``state.steps``, counted on the host: no sync)."""
-        return self._host.steps if self._tensors is None else self._tensors.steps
+        """How many times :meth:`update` advanced the state, counted on the host from the loaded state's
+        ``steps`` (``state.steps`` without a host read)."""
+        return self._host.steps if self._tensors is None else self._tensors.updates
 
     def get_growth_factor(self) -> float:
         """The config's growth factor."""

@@ -1,11 +1,12 @@
 """Scaler history and stuck detection for :class:`mpx_torch.GradScaler`, plus the TensorBoard hook.
 
 History (opt-in, ``GradScaler.record_history()``): each :meth:`GradScaler.update`
-copies the state after the step (the scale's float32 bits, ``growth_tracker``,
-``consecutive_nonfinite``, the step number) into one row of an int64 ring buffer on the scaler's
-device, with tensor ops only (no host sync, nothing a compiled step guards on:
-the scaler's methods run eagerly); :meth:`GradScaler.history` reads the buffer
-in one transfer and :meth:`mpx.ScalerHistory.from_rows` decodes it (the row layout every backend uses).
+writes the state after the step (the scale's float32 bits, ``growth_tracker``,
+``consecutive_nonfinite``, ``steps``) into one int32 row of the core's ring buffer
+(:mod:`mpx.kernels.ring`, run with the torch table) on the scaler's device, with tensor
+ops only (no host sync, nothing a compiled step guards on: the scaler's methods run
+eagerly); :meth:`GradScaler.history` reads the buffer and :meth:`mpx.ScalerHistory.from_rows`
+decodes it (the row layout every backend uses).
 Off (the default) it costs one ``is None`` test per update.
 
 Stuck detection (``ScalerConfig.max_consecutive_skips``): :meth:`GradScaler.scale`
@@ -22,43 +23,36 @@ import torch
 
 from mpx.errors import MPXError
 from mpx.history import ScalerHistory
-from mpx.scaling import COUNTER_MAX, ScalerConfig
+from mpx.kernels import ring
+from mpx.kernels.ring import ROW_FIELDS, check_capacity
+from mpx.kernels.scale import ScaleState
+from mpx.scaling import ScalerConfig
 from mpx.stuck import check_stuck
+from mpx_torch._array_ops import ops_for
 
 __all__ = ["HistoryBuffer", "check_stuck_after", "log_history", "loss_finite_flag"]
 
 
 class HistoryBuffer:
-    """A ring buffer of the last ``capacity`` states after each step, on ``device`` (int64, ``capacity x 4``)."""
+    """The last ``capacity`` states after each step, on ``device``: the core's ring buffer
+    (:mod:`mpx.kernels.ring`, int32 ``capacity x 4`` rows and a count of rows written, both tensors)."""
 
     def __init__(self, capacity: int, device: torch.device) -> None:
-        self.capacity = self.check(capacity)
-        self.rows = torch.zeros((capacity, 4), dtype=torch.int64, device=device)
-        self.recorded = 0  # rows written (host int: the scaler's methods run eagerly)
-
-    @staticmethod
-    def check(capacity: Any) -> int:
-        """``capacity`` validated: an int in [1, 2**31 - 1]."""
-        if not isinstance(capacity, int) or isinstance(capacity, bool) or not 1 <= capacity <= COUNTER_MAX:
-            raise MPXError(f"capacity: expected an int in [1, 2**31 - 1] (steps kept), got {capacity!r}")
-        return capacity
+        self.capacity = check_capacity(capacity)
+        self.ops = ops_for(device)
+        self.rows = torch.zeros((capacity, len(ROW_FIELDS)), dtype=torch.int32, device=device)
+        self.recorded = torch.zeros((), dtype=torch.int32, device=device)
 
     @torch.no_grad()
-    def record(self, tensors: Any) -> None:
-        """Copy the state after this step into the next row (device ops only)."""
-        row = torch.stack([
-            tensors.scale.view(torch.int32).to(torch.int64),
-            tensors.growth_tracker.to(torch.int64),
-            tensors.consecutive_nonfinite.to(torch.int64),
-        ])  # fmt: skip
-        self.rows[self.recorded % self.capacity, :3].copy_(row)
-        self.rows[self.recorded % self.capacity, 3].fill_(tensors.steps)  # the host step count: no sync
-        self.recorded += 1
+    def record(self, state: ScaleState) -> None:
+        """Write the state after this step into the next row (device ops only; the rows in place)."""
+        row = ring.row(self.ops, state.scale, state.growth_tracker, state.consecutive_nonfinite, state.steps)
+        self.rows, self.recorded = ring.record(self.ops, self.rows, self.recorded, row)
 
     def read(self, config: ScalerConfig) -> ScalerHistory:
-        """The recorded steps (the last ``capacity``), oldest first, in one device-to-host transfer
-        (decoded by :meth:`mpx.ScalerHistory.from_rows`)."""
-        return ScalerHistory.from_rows(config, self.rows.cpu().numpy(), self.recorded)
+        """The recorded steps (the last ``capacity``), oldest first, decoded by :meth:`mpx.ScalerHistory.from_rows`
+        (one read of the count and one of the rows)."""
+        return ScalerHistory.from_rows(config, self.rows.cpu().numpy(), int(self.recorded))
 
 
 def loss_finite_flag(outputs: Any) -> torch.Tensor | None:

@@ -13,6 +13,28 @@ torch = pytest.importorskip("torch")
 
 CUDA = torch.cuda.is_available()
 
+#: the torch calls that copy a value to the host (a sync on an accelerator)
+HOST_READS = {"item", "__bool__", "__float__", "__int__", "__index__", "tolist", "cpu", "numpy"}
+
+
+class HostReads(torch.overrides.TorchFunctionMode):
+    """Records every torch call inside the ``with`` block that copies a value to the host (``.syncs``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.syncs = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in HOST_READS:
+            self.syncs.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def host_reads():
+    """:class:`HostReads`, the recorder of host reads: ``with host_reads() as rec: ...; assert rec.syncs == []``."""
+    return HostReads
+
 
 def pytest_generate_tests(metafunc):
     if "device" in metafunc.fixturenames:

@@ -59,27 +59,6 @@ def test_unscale_kernel_missing_names_it(monkeypatch):
     _names(info, "torch._amp_foreach_non_finite_check_and_unscale_")
 
 
-def test_update_kernel_missing_names_it(monkeypatch):
-    scaler = mpx_torch.GradScaler()
-    _scaled_step(scaler)
-    monkeypatch.delattr(torch, "_amp_update_scale_")
-    with pytest.raises(mpx.FrameworkVersionError) as info:
-        scaler.update()
-    _names(info, "torch._amp_update_scale_")
-
-
-def test_update_kernel_is_not_replaced_silently(monkeypatch):
-    """No hasattr fallback: the tensor-ops update runs only when asked for (the tests compare both)."""
-    assert mpx_torch.grad_scaler._DeviceState.use_torch_kernel is True
-    calls = []
-    real = torch._amp_update_scale_
-    monkeypatch.setattr(torch, "_amp_update_scale_", lambda *a: calls.append(1) or real(*a))
-    scaler = mpx_torch.GradScaler()
-    _scaled_step(scaler)
-    scaler.update()
-    assert calls == [1]
-
-
 def test_default_device_context_missing_names_it(monkeypatch):
     monkeypatch.delattr(torch, "_GLOBAL_DEVICE_CONTEXT")
     with pytest.raises(mpx.FrameworkVersionError) as info:

@@ -87,7 +87,7 @@ def _expected_scales(bad_steps=(INF_STEP,)):
     out = []
     for i in range(STEPS):
         scaler.update(i not in bad_steps)
-        out.append(scaler.scale)
+        out.append(scaler.get_scale())
     return out
 
 
