@@ -14,7 +14,7 @@ Integrations, each imported on its own (importing mpx_torch imports none of thes
 
 from mpx_torch import (
     _compat,  # noqa: F401  (first: the torch version check)
-    float8,  # FP8 GEMMs: mpx_torch.float8.convert / commit
+    float8,  # FP8 GEMMs: mpx_torch.float8.convert / commit_float8
 )
 from mpx_torch.autocast import autocast, to_torch_dtype
 from mpx_torch.diagnostics import underflow_stats, watch

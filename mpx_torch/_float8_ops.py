@@ -1,10 +1,10 @@
-"""The tensor half of :mod:`mpx_torch.float8`: quantization, the scale rules and the FP8 GEMM.
+"""The tensor half of :mod:`mpx_torch.float8`: the core's FP8 kernels with the torch table, and the FP8 GEMM.
 
-Every function here is the torch form of one function of :mod:`mpx.float8`, bit for bit:
-:func:`quantize` is ``mpx.float8.quantize`` (bytes equal, NaN as NaN), :func:`delayed_scales` and
-:func:`current_scales` are ``mpx.float8.compute_scale`` (float64 arithmetic, one rounding to
-float32), and :func:`gemm` is ``mpx.float8.fp8_dot`` up to float32 rounding of the sums.  All are
-tensor ops with no host sync, traceable by dynamo.
+The numbers are the core's (:mod:`mpx.kernels.float8`, :func:`mpx.kernels.bits.abs_max`) run with
+:class:`mpx_torch._array_ops.TorchOps` on the tensors' device: :func:`quantize` is
+``mpx.float8.quantize`` (bytes equal, NaN as NaN), :func:`amax` is ``max(|x|)`` and :func:`scales`
+``mpx.float8.compute_scale``, bit for bit; :func:`gemm` is ``mpx.float8.fp8_dot`` up to float32
+rounding of the sums (the matmul is torch's).  All are tensor ops with no host sync.
 """
 
 from __future__ import annotations
@@ -14,84 +14,55 @@ from typing import Any
 
 import torch
 
-from mpx.float8 import CURRENT_AMAX_FLOOR, fp8_max
+from mpx.float8 import Float8Recipe
+from mpx.kernels import bits
+from mpx.kernels import float8 as kernel
 from mpx_torch import _compat
+from mpx_torch._array_ops import ops_for
 
 __all__ = [
     "TORCH_FORMATS",
     "Float8LinearFunction",
-    "current_scales",
-    "delayed_scales",
+    "amax",
     "gemm",
+    "observe",
     "quantize",
     "scaled_mm_available",
+    "scales",
 ]
 
 #: The torch dtype of each FP8 format of :data:`mpx.float8.FORMATS`.
 TORCH_FORMATS: dict[str, torch.dtype] = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
-_LIMITS = {fmt: fp8_max(fmt) for fmt in TORCH_FORMATS}  # constants dynamo reads (it traces no ml_dtypes)
-_F32_MAX = float(torch.finfo(torch.float32).max)
-_F32_TINY = float(torch.finfo(torch.float32).tiny)
-_EXPONENT_BITS = 0x7F800000  # a positive normal float32 with its mantissa bits cleared: 2**floor(log2(x))
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor | float, fmt: str) -> torch.Tensor:
-    """``fp8(clip(float32(x) * float32(scale), -fp8_max, fp8_max))``, as :func:`mpx.float8.quantize`.
+    """``fp8(clip(float32(x) * float32(scale), -fp8_max, fp8_max))`` (:func:`mpx.kernels.float8.quantize`).
 
-    ``scale``: a float32 scalar tensor or a float (rounded to float32).  The clip
-    comes first because torch's e4m3fn cast saturates where ml_dtypes, JAX and TF
-    give NaN; NaN stays NaN (torch's e5m2 NaN byte is 0x7F, ml_dtypes' 0x7E).
+    ``scale``: a float32 scalar tensor or a float (rounded to float32).  NaN stays NaN (torch's e5m2
+    NaN byte is 0x7F, ml_dtypes' 0x7E).
+
+    Raises:
+        mpx.Float8Error: for an unknown ``fmt``.
     """
-    if fmt not in TORCH_FORMATS:
-        fp8_max(fmt)  # raises mpx.float8.Float8Error naming the allowed formats
-    limit = _LIMITS[fmt]
-    if not isinstance(scale, torch.Tensor):
-        scale = torch.tensor(scale, dtype=torch.float32, device=x.device)
-    scaled = x.to(torch.float32) * scale.to(torch.float32)
-    return torch.clamp(scaled, -limit, limit).to(TORCH_FORMATS[fmt])
+    return kernel.quantize(ops_for(x.device), x, scale, fmt)
 
 
-def _margin_factor(margin: int) -> float:
-    """``2**-margin`` as a float64 (0.0 past float64's range: the scale then underflows to the floor)."""
-    return 2.0**-margin if margin <= 1074 else 0.0
+def amax(x: torch.Tensor) -> torch.Tensor:
+    """``max(|x|)`` as a float32 scalar (:func:`mpx.kernels.bits.abs_max`: a NaN wins, subnormals count)."""
+    return bits.abs_max(ops_for(x.device), x.detach())
 
 
-def _to_scale(value: torch.Tensor, power_of_two: bool) -> torch.Tensor:
-    """A float64 ``fp8_max / amax / 2**margin`` to the float32 scale: the ceiling, the floor, powers of two."""
-    scale = torch.where(value >= _F32_MAX, _F32_MAX, value).to(torch.float32)
-    scale = torch.where(scale < _F32_TINY, _F32_TINY, scale)  # zero or subnormal: the smallest normal
-    if power_of_two:  # mpx.float8._round_down_pow2: clear the mantissa of a positive normal float32
-        scale = (scale.view(torch.int32) & _EXPONENT_BITS).view(torch.float32)
-    return scale
+def observe(pending: torch.Tensor, amaxes: torch.Tensor) -> None:
+    """Fold ``amaxes`` into the ``pending`` amaxes in place: their MAX with a NaN winning
+    (:func:`mpx.kernels.float8.window_max`; -1, "none observed", loses to any amax)."""
+    pending.copy_(kernel.window_max(ops_for(pending.device), pending, amaxes.reshape(pending.shape)))
 
 
-def delayed_scales(
-    window: torch.Tensor,
-    maxima: torch.Tensor,
-    margin: int,
-    power_of_two: bool,
-    previous: torch.Tensor,
-) -> torch.Tensor:
-    """Delayed scaling's scales for float32 amax ``window``s (``maxima``: each one's float64 fp8_max).
-
-    A zero or non-finite window keeps ``previous`` (Transformer Engine's rule).
-    """
-    amax = window.to(torch.float64)
-    ok = torch.isfinite(amax) & (amax > 0.0)
-    value = maxima / torch.where(ok, amax, 1.0) * _margin_factor(margin)
-    return torch.where(ok, _to_scale(value, power_of_two), previous)
-
-
-def current_scales(
-    amax: torch.Tensor, maxima: torch.Tensor | float, margin: int, power_of_two: bool
-) -> torch.Tensor:
-    """Current scaling's scales for float32 ``amax``es: floored at 1e-12 in float64 (torchao's rule);
-    a non-finite amax gives 1.0 (Transformer Engine's ``Float8CurrentScaling``)."""
-    value64 = amax.to(torch.float64)
-    ok = torch.isfinite(value64)
-    value64 = torch.clamp(torch.where(ok, value64, 1.0), min=CURRENT_AMAX_FLOOR)
-    scale = _to_scale(maxima / value64 * _margin_factor(margin), power_of_two)
-    return torch.where(ok, scale, 1.0)
+def scales(recipe: Float8Recipe, amaxes: torch.Tensor, fmt: str, previous: Any = 1.0) -> torch.Tensor:
+    """The float32 scales of float32 ``amaxes`` in ``fmt`` (:func:`mpx.kernels.float8.compute_scale`,
+    elementwise): delayed scaling keeps ``previous`` for a zero or non-finite amax, current scaling
+    floors the amax at 1e-12 and gives 1.0 for a non-finite one."""
+    return kernel.compute_scale(ops_for(amaxes.device), recipe, amaxes, fmt, previous)
 
 
 _PROBED: dict[torch.device, bool] = {}
@@ -147,8 +118,8 @@ class Float8LinearFunction(torch.autograd.Function):
     the bias added in float32, the result cast to ``out_dtype``.  The quantized
     ``x`` and ``W`` (one byte an element) are what the backward keeps.
     Backward: the gradient's amax goes into ``grad_amax`` (a view of the module's
-    pending amaxes, max-combined), the gradient is quantized in ``grad_fmt``
-    (e5m2 under ``hybrid``) with ``grad_scale`` (delayed) or its own amax's scale
+    pending amaxes, :func:`observe`), the gradient is quantized in the recipe's grad
+    format (e5m2 under ``hybrid``) with ``grad_scale`` (delayed) or its own amax's scale
     (current), and dgrad ``g @ W`` and wgrad ``g.T @ x`` are FP8 GEMMs; the bias
     gradient is the float32 sum of the unquantized gradient.
     """
@@ -163,7 +134,7 @@ class Float8LinearFunction(torch.autograd.Function):
         w_scale: torch.Tensor,
         grad_scale: torch.Tensor,
         grad_amax: torch.Tensor,
-        config: tuple[str, bool, torch.dtype, bool, float, int, bool],
+        config: tuple[Float8Recipe, bool, torch.dtype],
     ) -> torch.Tensor:
         use_scaled_mm, out_dtype = config[1], config[2]
         x2d = x.reshape(-1, x.shape[-1])
@@ -185,16 +156,17 @@ class Float8LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         qx, qw, x_inv, w_inv, grad_scale, finite = ctx.saved_tensors
-        grad_fmt, use_scaled_mm, _, current, grad_max, margin, power_of_two = ctx.config
+        recipe, use_scaled_mm, _ = ctx.config
+        grad_fmt = recipe.format_of("grad")
         x_shape, x_dtype, w_dtype, b_dtype = ctx.shapes
         g2d = grad_out.reshape(-1, grad_out.shape[-1])
-        amax = g2d.abs().amax().to(torch.float32)
-        ctx.grad_amax.copy_(torch.maximum(ctx.grad_amax, amax.reshape(ctx.grad_amax.shape)))
-        if current:
-            grad_scale = current_scales(amax, grad_max, margin, power_of_two)
+        g_amax = amax(g2d)
+        observe(ctx.grad_amax, g_amax)
+        if recipe.scaling == "current":
+            grad_scale = scales(recipe, g_amax, grad_fmt)
         qg = quantize(g2d, grad_scale, grad_fmt)
         g_inv = 1.0 / grad_scale
-        finite = finite & torch.isfinite(amax)  # an overflowed (scaled) gradient poisons both GEMMs
+        finite = finite & torch.isfinite(g_amax)  # an overflowed (scaled) gradient poisons both GEMMs
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             dx = gemm(qg, qw, g_inv, w_inv, use_scaled_mm)

@@ -27,7 +27,7 @@ from mpx_torch.grad_scaler import GradScaler, OptState
 
 __all__ = [
     "HalfParametersWarning",
-    "commit_float8",
+    "commit_models",
     "library_internal",
     "lightning_precision",
     "require_library",
@@ -114,14 +114,14 @@ def uses_float8(policy: Policy) -> bool:
     return policy.fp8 is not None or any(rule.policy.fp8 is not None for rule in policy.overrides)
 
 
-def commit_float8(models: Any, scaler: GradScaler) -> None:
+def commit_models(models: Any, scaler: GradScaler) -> None:
     """Commit the FP8 state of ``models`` (a module or an iterable of them) after one optimizer step.
 
-    :func:`mpx_torch.float8.commit` with the scaler after its ``update()``: nothing moves on a step
+    :func:`mpx_torch.float8.commit_float8` with the scaler after its ``update()``: nothing moves on a step
     the scaler skipped, so the FP8 state moves exactly when the optimizer state does (once per
     optimizer step, so once per gradient-accumulation window; replicas all-reduce their amaxes).
     A module without FP8 Linears is left alone.
     """
     for model in [models] if isinstance(models, nn.Module) else models:
-        if any(True for _ in float8.float8_modules(model)):
-            float8.commit(model, scaler)
+        if any(True for _ in float8.float8_layers(model)):
+            float8.commit_float8(model, scaler)

@@ -20,21 +20,19 @@ import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-from mpx import PolicyError, UnsupportedTypeError
+from mpx import PolicyError, ScalerConfig, UnsupportedTypeError
 from mpx_torch import _compat
 from mpx_torch._compile import frame_skipped
-
-if TYPE_CHECKING:
-    from mpx_torch._device_state import DeviceState
-    from mpx_torch.grad_scaler import GradScaler
+from mpx_torch._device_state import DeviceState
 
 __all__ = [
     "OptState",
     "OptimizerStep",
+    "Stepping",
     "checked_optimizer",
     "has_fresh_state",
     "step_fused",
@@ -85,6 +83,20 @@ class OptimizerStep:
         if not flags:
             return torch.zeros((), dtype=torch.float32, device=device)
         return flags[0] if len(flags) == 1 else torch.stack([f.reshape(()) for f in flags]).sum()
+
+
+class Stepping(Protocol):
+    """What the step protocols call on the scaler that steps (an :class:`mpx_torch.GradScaler`; named by
+    this protocol so that this module needs no import of the scaler's)."""
+
+    @property
+    def config(self) -> ScalerConfig: ...
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None: ...
+
+    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]: ...
+
+    def _agree(self, record: OptimizerStep, tensors: DeviceState) -> None: ...
 
 
 @frame_skipped
@@ -169,7 +181,7 @@ def has_fresh_state(optimizer: torch.optim.Optimizer) -> bool:
 
 @frame_skipped
 def step_plain(
-    scaler: GradScaler,
+    scaler: Stepping,
     optimizer: torch.optim.Optimizer,
     record: OptimizerStep,
     tensors: DeviceState,
@@ -191,7 +203,7 @@ def step_plain(
 
 @frame_skipped
 def step_fused(
-    scaler: GradScaler,
+    scaler: Stepping,
     optimizer: torch.optim.Optimizer,
     record: OptimizerStep,
     tensors: DeviceState,
@@ -233,7 +245,7 @@ def step_fused(
 
 @frame_skipped
 def step_grad_scaler_kwarg(
-    scaler: GradScaler,
+    scaler: Stepping,
     optimizer: torch.optim.Optimizer,
     record: OptimizerStep,
     tensors: DeviceState,

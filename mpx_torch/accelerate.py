@@ -20,7 +20,7 @@ the scale (``scaler.pt``; one written by ``torch.amp.GradScaler`` loads too).
 Under an FP8 policy (``fp8=``), ``prepare`` turns the policy's ``nn.Linear``
 modules into :class:`mpx_torch.float8.Float8Linear`, and each prepared
 optimizer's ``step()`` commits the FP8 state of the prepared models it trains
-(:func:`mpx_torch.float8.commit` with the scaler) when the gradients sync: once
+(:func:`mpx_torch.float8.commit_float8` with the scaler) when the gradients sync: once
 per accumulation window, nothing on a skipped step.  The FP8 buffers are in
 the model's ``state_dict`` (``save_state`` writes them with the weights).
 """
@@ -40,7 +40,7 @@ from mpx import MPXError, OpTable, PolicySpec, ScalerConfig, UnsupportedTypeErro
 from mpx_torch._compat import step_supports_amp_scaling
 from mpx_torch._integrations import (
     HalfParametersWarning,
-    commit_float8,
+    commit_models,
     library_internal,
     require_library,
     unscale_once,
@@ -106,7 +106,7 @@ def _commit_float8_after_steps(
         output = step(*args, **kwargs)
         if self.gradient_state.sync_gradients:
             models = _prepared(accelerator, "models")
-            commit_float8([m for m in models if any(id(p) in params for p in m.parameters())], scaler)
+            commit_models([m for m in models if any(id(p) in params for p in m.parameters())], scaler)
         return output
 
     accelerated.step = types.MethodType(functools.wraps(step.__func__)(committing_step), accelerated)  # type: ignore[method-assign]

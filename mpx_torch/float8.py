@@ -13,8 +13,10 @@ exactly elsewhere (FP8 operands dequantized to float32, a float32 GEMM).
 Under delayed scaling (Transformer Engine's lag) step t quantizes with the
 scales computed from the amaxes of steps <= t-1: the amaxes a step observes
 (forward and backward, max-combined over micro-batches and repeated calls) are
-committed by :func:`commit` once per optimizer step, and not on a step the
-loss scaler skips:
+committed by :func:`commit_float8` once per optimizer step, and not on a step the
+loss scaler skips.  Every number (quantize, ``max(|x|)``, the MAX of a step's amaxes,
+the amax history and the scales) is the core's kernel (:mod:`mpx.kernels.float8`) run
+with the torch table; the GEMMs are torch's:
 
 >>> import torch, mpx_torch
 >>> from mpx_torch import float8
@@ -23,7 +25,7 @@ loss scaler skips:
 ('Float8Linear', [1.0, 1.0, 1.0])
 >>> x = torch.full((2, 16), 2.0)
 >>> model(x).sum().backward()
->>> float8.commit(model)            # after optimizer.step(); with a GradScaler: commit(model, scaler)
+>>> float8.commit_float8(model)     # after optimizer.step(); with a GradScaler: commit_float8(model, scaler)
 >>> model[0].fp8_scale[0].item()    # the input's scale for the next step: 448 / 2
 224.0
 >>> float8.float8_state_dict(model)["tensors"]["0.input"]["amax_history"]
@@ -47,22 +49,24 @@ from mpx import (
     UnsupportedTypeError,
     get_policy,
 )
-from mpx.float8 import ROLES, Float8State, TensorScale, check_model_state, fp8_max, one_recipe, tensor_key
-from mpx.float8 import float8_state_dict as _core_state_dict
-from mpx.float8 import load_float8_state_dict as _core_load
+from mpx.float8 import ROLES, Float8State, TensorScale, check_model_state, one_recipe, tensor_key
+from mpx.float8 import load_state_dict as _core_load
+from mpx.float8 import state_dict as _core_state_dict
+from mpx.kernels import float8 as kernel
 from mpx.ops import as_op_table
 from mpx_torch import _float8_ops
-from mpx_torch._float8_ops import current_scales, delayed_scales
+from mpx_torch._array_ops import ops_for
+from mpx_torch._categories import module_category
 from mpx_torch._float8_ops import quantize as quantize
-from mpx_torch.distributed import check_process_group, group_to_agree
-from mpx_torch.prepare import module_category
+from mpx_torch._process_group import check_process_group, group_to_agree
+from mpx_torch.grad_scaler import GradScaler
 
 __all__ = [
     "GEMMS",
     "Float8Linear",
-    "commit",
+    "commit_float8",
     "convert",
-    "float8_modules",
+    "float8_layers",
     "float8_state_dict",
     "load_float8_state_dict",
     "quantize",
@@ -82,7 +86,7 @@ class Float8Linear(nn.Linear):
     (multiply; the GEMM uses the inverse) and ``fp8_amax_history`` (3, L)
     float32, most recent first (L = ``amax_history_len`` under delayed scaling,
     0 under current scaling).  ``fp8_amax`` (3,), not saved, holds the amaxes
-    observed since the last :func:`commit` (-1: none); a forward in eval mode
+    observed since the last :func:`commit_float8` (-1: none); a forward in eval mode
     (``model.eval()``) records none.  ``fp8_recipe`` and
     ``fp8_gemm`` are plain attributes.
 
@@ -92,7 +96,6 @@ class Float8Linear(nn.Linear):
 
     fp8_recipe: Float8Recipe
     fp8_gemm: str
-    _fp8_grad: tuple[str, float]
     fp8_scale: torch.Tensor
     fp8_amax_history: torch.Tensor
     fp8_amax: torch.Tensor
@@ -111,26 +114,15 @@ class Float8Linear(nn.Linear):
         else:
             out_dtype = input.dtype
         pending = self.fp8_amax
-        amaxes = torch.stack([input.detach().abs().amax(), self.weight.detach().abs().amax()]).to(
-            torch.float32
-        )
+        amaxes = torch.stack([_float8_ops.amax(input), _float8_ops.amax(self.weight)])
         if self.training:  # an eval forward (model.eval()) quantizes with the scales and records nothing
-            pending[:2].copy_(torch.maximum(pending[:2], amaxes))
+            _float8_ops.observe(pending[:2], amaxes)
         if recipe.scaling == "current":
-            scales = current_scales(amaxes, 448.0, recipe.margin, recipe.power_of_two)
+            scales = _float8_ops.scales(recipe, amaxes, recipe.format_of("input"))
             x_scale, w_scale = scales[0], scales[1]
         else:
             x_scale, w_scale = self.fp8_scale[_INPUT], self.fp8_scale[_WEIGHT]
-        grad_fmt, grad_max = self._fp8_grad
-        config = (
-            grad_fmt,
-            self.fp8_gemm == "scaled_mm",
-            out_dtype,
-            recipe.scaling == "current",
-            grad_max,
-            recipe.margin,
-            recipe.power_of_two,
-        )
+        config = (recipe, self.fp8_gemm == "scaled_mm", out_dtype)
         return _float8_ops.Float8LinearFunction.apply(
             input,
             self.weight,
@@ -142,30 +134,57 @@ class Float8Linear(nn.Linear):
             config,
         )
 
-    @torch.no_grad()
-    def _fp8_commit(self, skipped: torch.Tensor) -> None:
-        """One step of :func:`mpx.float8.float8_update` for this module's three tensors, in tensor ops."""
-        recipe = self.fp8_recipe
-        pending, scale = self.fp8_amax, self.fp8_scale
-        observed = (pending >= 0.0) | torch.isnan(pending)
-        apply = observed & ~skipped
-        maxima = torch.tensor(
-            [fp8_max(recipe.format_of(role)) for role in ROLES], dtype=torch.float64, device=scale.device
-        )
-        if recipe.scaling == "current":
-            new = current_scales(pending, maxima, recipe.margin, recipe.power_of_two)
-        else:
-            history = self.fp8_amax_history
-            record = apply & torch.isfinite(pending)
-            rolled = torch.cat([pending[:, None], history[:, :-1]], dim=1)
-            history.copy_(torch.where(record[:, None], rolled, history))
-            window = history[:, 0] if recipe.amax_compute == "most_recent" else history.amax(dim=1)
-            new = delayed_scales(window, maxima, recipe.margin, recipe.power_of_two, scale)
-        scale.copy_(torch.where(apply, new, scale))
-        pending.fill_(-1.0)
-
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, fp8={self.fp8_recipe}, gemm={self.fp8_gemm}"
+
+
+def _format_runs(recipe: Float8Recipe) -> list[tuple[str, slice]]:
+    """The roles (columns of the FP8 buffers) in runs of one format: ``[(role, columns)]``."""
+    runs: list[tuple[str, slice]] = []
+    for i, role in enumerate(ROLES):
+        if runs and recipe.format_of(runs[-1][0]) == recipe.format_of(role):
+            runs[-1] = (runs[-1][0], slice(runs[-1][1].start, i + 1))
+        else:
+            runs.append((role, slice(i, i + 1)))
+    return runs
+
+
+@torch.no_grad()
+def _commit_batch(recipe: Float8Recipe, modules: list[Float8Linear], skipped: torch.Tensor) -> None:
+    """One step of :func:`mpx.float8.float8_update` for the modules of one recipe on one device.
+
+    The kernel (:func:`mpx.kernels.float8.update_tensor`) is written for one tensor; ``torch.vmap``
+    maps it over every tensor of one format at once.  A tensor whose pending amax is -1 (none
+    observed since the last commit) or a skipped step keeps its scale and history.
+    """
+    o = ops_for(skipped.device)
+    pending = torch.stack([m.fp8_amax for m in modules])  # (modules, roles)
+    scale = torch.stack([m.fp8_scale for m in modules])
+    history = torch.stack([m.fp8_amax_history for m in modules])  # (modules, roles, amax_history_len)
+    keep = torch.logical_or(torch.lt(pending, 0.0), skipped)
+    length = history.shape[-1]
+    new_scales, new_histories = [], []
+    for role, cols in _format_runs(recipe):
+
+        def step(s: torch.Tensor, h: torch.Tensor, a: torch.Tensor, k: torch.Tensor, role: str = role) -> Any:
+            return kernel.update_tensor(o, recipe, role, s, h, a, k)
+
+        width = cols.stop - cols.start
+        n = len(modules) * width
+        s, h = torch.vmap(step)(
+            scale[:, cols].reshape(n),
+            history[:, cols].reshape(n, length),
+            pending[:, cols].reshape(n),
+            keep[:, cols].reshape(n),
+        )
+        new_scales.append(s.reshape(len(modules), width))
+        new_histories.append(h.reshape(len(modules), width, length))
+    scale, history = torch.cat(new_scales, 1), torch.cat(new_histories, 1)
+    for i, module in enumerate(modules):
+        module.fp8_scale.copy_(scale[i])
+        if length:
+            module.fp8_amax_history.copy_(history[i])
+        module.fp8_amax.fill_(-1.0)
 
 
 def _drop_buffers(module: nn.Module) -> None:
@@ -185,14 +204,11 @@ def _init_state(module: Float8Linear, recipe: Float8Recipe) -> None:
         "fp8_amax", torch.full((3,), -1.0, dtype=torch.float32, device=device), persistent=False
     )
     module.fp8_recipe = recipe
-    grad_fmt = recipe.format_of("grad")
-    # constants the forward reads (dynamo traces no ml_dtypes)
-    module._fp8_grad = (grad_fmt, fp8_max(grad_fmt))
 
 
 def _revert(module: Float8Linear) -> None:
     _drop_buffers(module)
-    for name in ("fp8_recipe", "fp8_gemm", "_fp8_grad"):
+    for name in ("fp8_recipe", "fp8_gemm"):
         module.__dict__.pop(name, None)
     module.__class__ = nn.Linear
 
@@ -260,7 +276,7 @@ def convert(
     return model
 
 
-def float8_modules(model: nn.Module) -> Iterator[tuple[str, Float8Linear]]:
+def float8_layers(model: nn.Module) -> Iterator[tuple[str, Float8Linear]]:
     """``(path, module)`` for every :class:`Float8Linear` in ``model`` (shared modules once)."""
     for path, sub in model.named_modules():
         if isinstance(sub, Float8Linear):
@@ -269,8 +285,6 @@ def float8_modules(model: nn.Module) -> Iterator[tuple[str, Float8Linear]]:
 
 def _skip_flag(skipped: Any, device: torch.device) -> torch.Tensor:
     """The skip decision as a bool scalar tensor on ``device`` (no host sync for tensors and scalers)."""
-    from mpx_torch.grad_scaler import GradScaler
-
     if isinstance(skipped, GradScaler):
         flag = skipped.last_step_skipped()  # None before the scaler's first scale()
         return torch.zeros((), dtype=torch.bool, device=device) if flag is None else flag.to(device)
@@ -309,10 +323,12 @@ def _reduce_amaxes(modules: list[Float8Linear], group: Any) -> None:
                 m.fp8_amax.copy_(part)
 
 
-def commit(model: nn.Module, skipped: Any = False, *, process_group: Any = None) -> None:
+def commit_float8(model: nn.Module, skipped: Any = False, *, process_group: Any = None) -> None:
     """Commit the amaxes ``model``'s FP8 modules observed since the last commit: once per optimizer step.
 
-    Each :class:`Float8Linear` moves one step of :func:`mpx.float8.float8_update`:
+    Each :class:`Float8Linear` moves one step of :func:`mpx.float8.float8_update`
+    (:func:`mpx.kernels.float8.update_tensor`, mapped with ``torch.vmap`` over every tensor of
+    one format, recipe and device at once):
     delayed scaling records each finite amax and computes the scales the next
     step quantizes with; current scaling records the scale of the step's amax.
     A module not called since the last commit is unchanged.  ``skipped``: the
@@ -329,14 +345,12 @@ def commit(model: nn.Module, skipped: Any = False, *, process_group: Any = None)
     ``process_group`` (None, the default: the world group once
     ``torch.distributed`` is initialized, as :class:`mpx_torch.GradScaler`;
     nothing for one rank), so every replica commits the same scales.  Every
-    rank must call ``commit`` (it is a collective).
+    rank must call ``commit_float8`` (it is a collective).
 
     Raises:
         mpx.UnsupportedTypeError: for a ``model`` that is not a Module or a bad ``skipped``.
         mpx.MPXError: for a GradScaler whose ``update()`` was not called since the last commit.
     """
-    from mpx_torch.grad_scaler import GradScaler
-
     if not isinstance(model, nn.Module):
         raise UnsupportedTypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}.")
     if isinstance(skipped, GradScaler):
@@ -344,26 +358,29 @@ def commit(model: nn.Module, skipped: Any = False, *, process_group: Any = None)
             seen = _SCALER_STEPS.setdefault(skipped, {})
             if seen.get(id(model)) == skipped.updates:
                 raise MPXError(
-                    "commit(model, scaler): the scaler's update() was not called since the last commit; "
-                    "call scaler.update() first, then commit once per optimizer step."
+                    "commit_float8(model, scaler): the scaler's update() was not called since the last "
+                    "commit; call scaler.update() first, then commit_float8 once per optimizer step."
                 )
             seen[id(model)] = skipped.updates
-    modules = [module for _, module in float8_modules(model)]
+    modules = [module for _, module in float8_layers(model)]
     group = group_to_agree(check_process_group(process_group))
     if group is not None and modules:
         _reduce_amaxes(modules, group)
     flags: dict[torch.device, torch.Tensor] = {}
+    batches: dict[tuple[torch.device, Float8Recipe], list[Float8Linear]] = {}
     for module in modules:
         device = module.fp8_scale.device
         if device not in flags:
             flags[device] = _skip_flag(skipped, device)
-        module._fp8_commit(flags[device])
+        batches.setdefault((device, module.fp8_recipe), []).append(module)
+    for (device, recipe), batch in batches.items():
+        _commit_batch(recipe, batch, flags[device])
     if not flags:
         _skip_flag(skipped, torch.device("cpu"))  # validates ``skipped`` for a model with no FP8 module
 
 
 def _recipe_of(model: nn.Module) -> tuple[Float8Recipe, list[tuple[str, Float8Linear]]]:
-    modules = list(float8_modules(model))
+    modules = list(float8_layers(model))
     return one_recipe((module.fp8_recipe for _, module in modules), "FP8 modules"), modules
 
 
@@ -371,8 +388,8 @@ def float8_state_dict(model: nn.Module) -> dict[str, Any]:
     """``model``'s FP8 state as the neutral JSON-safe ``mpx.float8/1`` dict (one host read).
 
     Tensor names are ``"<module path>.input"``, ``".weight"`` and ``".grad"`` (the
-    roles alone for a root module);
-    :func:`mpx.load_float8_state_dict` and every backend read it.
+    roles alone for a root module); :func:`mpx.float8.load_state_dict` and every
+    backend's ``load_float8_state_dict(model, state_dict)`` read it.
 
     Raises:
         mpx.StateDictError: when the model's FP8 modules use different recipes.
@@ -390,7 +407,7 @@ def float8_state_dict(model: nn.Module) -> dict[str, Any]:
 def load_float8_state_dict(model: nn.Module, state_dict: Mapping[str, Any]) -> None:
     """Load an ``mpx.float8/1`` dict into ``model``'s FP8 modules, in place (all or nothing).
 
-    Every field is validated (:func:`mpx.load_float8_state_dict`), the recipe
+    Every field is validated (:func:`mpx.float8.load_state_dict`), the recipe
     must equal the modules' and the tensor names must be exactly theirs.
 
     Raises:

@@ -53,8 +53,8 @@ from mpx_torch._optimizer_step import (
     step_plain,
     unscale_grads,
 )
+from mpx_torch._process_group import agree_found_inf, check_process_group, group_to_agree
 from mpx_torch._scaler_state import as_config, as_neutral, new_scale_value
-from mpx_torch.distributed import agree_found_inf, check_process_group, group_to_agree
 from mpx_torch.history import HistoryBuffer, check_stuck_after, loss_finite_flag
 
 __all__ = ["GradScaler", "OptState", "OptimizerStep"]

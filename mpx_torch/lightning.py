@@ -17,7 +17,7 @@ state is saved in the checkpoint under ``"MPXPrecision"`` (the neutral
 Under an FP8 policy (``"mixed_bfloat16,fp8=hybrid"``, ``"mixed_bfloat16_fp8"``...),
 :func:`mpx_torch.prepare` turns the policy's ``nn.Linear`` modules into
 :class:`mpx_torch.float8.Float8Linear` and the plugin commits their FP8 state
-after each optimizer step (:func:`mpx_torch.float8.commit` with its scaler):
+after each optimizer step (:func:`mpx_torch.float8.commit_float8` with its scaler):
 once per accumulation window, nothing on a step the scaler skipped.  The FP8
 buffers are in the module's ``state_dict``, so checkpoints carry them.
 
@@ -47,7 +47,7 @@ from mpx import MPXError, OpTable, Policy, PolicySpec, ScalerConfig, get_policy
 from mpx_torch._compat import step_supports_amp_scaling
 from mpx_torch._integrations import (
     HalfParametersWarning,
-    commit_float8,
+    commit_models,
     library_internal,
     lightning_precision,
     require_library,
@@ -109,7 +109,7 @@ class _MPXPlugin:
         if not self._float8:
             return
         params = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        commit_float8([m for m in self._modules if any(id(p) in params for p in m.parameters())], self.scaler)
+        commit_models([m for m in self._modules if any(id(p) in params for p in m.parameters())], self.scaler)
 
     def forward_context(self) -> contextlib.AbstractContextManager:
         """The policy's :class:`mpx_torch.autocast` (around each training, validation, test and predict step)."""

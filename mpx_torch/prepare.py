@@ -23,32 +23,17 @@ from mpx import (
     PolicyError,
     PolicySpec,
     UnsupportedTypeError,
-    category_of,
     get_policy,
     warn_if_slow,
     widest_dtype,
 )
-from mpx_torch import _compat
+from mpx_torch import _compat, float8
+from mpx_torch._categories import module_category
 from mpx_torch._compile import compiling
 from mpx_torch._recompute import RecomputedForward
 from mpx_torch.autocast import _HALF, autocast, region_active, to_torch_dtype
 
 __all__ = ["module_category", "prepare", "prepared_policy"]
-
-_CATEGORIES: dict[str, tuple[type, ...]] = _compat.category_classes()
-
-
-def module_category(module: nn.Module) -> str | None:
-    """The mpx category of a module: ``"normalization"``, ``"softmax"``, ``"loss"`` or None.
-
-    The core's table (:data:`mpx.categories.CATEGORY_CLASSES` below ``torch.nn``) decides, and an
-    ``mpx_category`` attribute on the module or its class names its own category (for example
-    ``LlamaRMSNorm.mpx_category = "normalization"`` for a model library's own norm class).
-
-    Raises:
-        mpx.PolicyError: for an ``mpx_category`` that is not a category.
-    """
-    return category_of(module, _CATEGORIES)
 
 
 def _cast_tree(value: Any, target: torch.dtype, sources: tuple[torch.dtype, ...]) -> Any:
@@ -333,7 +318,5 @@ def prepare(
                 sub.register_forward_hook(hooks.exit, prepend=True, always_call=True),
             )
             sub.__dict__[_ATTRIBUTE] = hooks
-    from mpx_torch import float8  # mpx_torch.float8 imports this module
-
     float8.convert(module, root, op_table=op_table)  # FP8 Linears where the policy says fp8=; else nothing
     return module

@@ -23,11 +23,11 @@ from mpx.float8 import (
     float8_init,
     float8_update,
     fp8_dot,
-    load_float8_state_dict,
 )
+from mpx.float8 import load_state_dict as core_load_state_dict
 from mpx.float8 import quantize as core_quantize
 from mpx_torch import _float8_ops, float8
-from mpx_torch.float8 import Float8Linear, commit, convert
+from mpx_torch.float8 import Float8Linear, commit_float8, convert
 
 ML = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}
 F32 = np.finfo(np.float32)
@@ -113,12 +113,11 @@ recipes = st.builds(
 def test_scale_rules_are_compute_scale(recipe, values, previous):
     amax = torch.tensor(values, dtype=torch.float32)
     formats = ("e4m3", "e4m3", recipe.format_of("grad"))
-    maxima = torch.tensor([mpx.float8.fp8_max(f) for f in formats], dtype=torch.float64)
     prev = torch.full((3,), previous)
-    if recipe.scaling == "current":
-        got = _float8_ops.current_scales(amax, maxima, recipe.margin, recipe.power_of_two)
-    else:
-        got = _float8_ops.delayed_scales(amax, maxima, recipe.margin, recipe.power_of_two, prev)
+    got = torch.cat([
+        _float8_ops.scales(recipe, amax[:2], "e4m3", prev[:2]),
+        _float8_ops.scales(recipe, amax[2:], formats[2], prev[2:]),
+    ])  # fmt: skip
     expected = [
         compute_scale(recipe, float(a), f, previous) for a, f in zip(amax.tolist(), formats, strict=True)
     ]
@@ -166,9 +165,9 @@ def test_commit_trace_is_float8_update(recipe, steps):
             if what == 5:  # a second micro-batch: amaxes max-combined (NaN wins) before the commit
                 _step(layer, 1.5, 1.0, 2.5)
                 seen = mpx.float8.reduce_amaxes([seen, {"input": 1.5, "weight": 1.0, "grad": 2.5}])
-        commit(layer, skipped)
+        commit_float8(layer, skipped)
         state = float8_update(recipe, state, seen, skipped=skipped)
-        _, got = load_float8_state_dict(float8.float8_state_dict(layer))
+        _, got = core_load_state_dict(float8.float8_state_dict(layer))
         assert got == state
 
 
@@ -178,7 +177,7 @@ def test_step_t_quantizes_with_the_amaxes_of_earlier_steps_only():
     for a in (2.0, 4.0, 1.0, 0.5):
         used.append(layer.fp8_scale[0].item())
         _step(layer, a, 1.0, 1.0, k=4, n=2)
-        commit(layer)
+        commit_float8(layer)
     assert used == [1.0, 224.0, 112.0, 112.0]  # the first step uses 1.0; then max over the last 2 amaxes
 
 
@@ -190,7 +189,7 @@ def test_current_scaling_quantizes_with_the_tensors_own_amax():
     sx, sw = 448.0 / 3.0, 448.0 / float(w.abs().max())
     ref = fp8_dot(x.numpy(), w.numpy().T, float(np.float32(sx)), float(np.float32(sw)))
     assert np.allclose(out.detach().numpy(), ref, rtol=1e-6, atol=1e-7)
-    commit(layer)
+    commit_float8(layer)
     assert layer.fp8_scale[0].item() == float(np.float32(sx)) and layer.fp8_amax_history.shape == (3, 0)
 
 
@@ -295,7 +294,7 @@ def test_convert_follows_the_policy_and_its_overrides():
     assert type(model.qkv[1]) is nn.Linear and "fp8_scale" not in dict(model.qkv[1].named_buffers())
     assert isinstance(model.blocks[0].fc1, Float8Linear) and model.blocks[0].fc1.fp8_recipe.format == "e4m3"
     convert(model, mpx.get_policy("mixed_bfloat16_fp8"), op_table=mpx.OP_TABLE.replace(linear="float32"))
-    assert not list(float8.float8_modules(model))  # linear not LOWER: no FP8 anywhere
+    assert not list(float8.float8_layers(model))  # linear not LOWER: no FP8 anywhere
 
 
 def test_convert_leaves_subclasses_and_refuses_bad_input():
@@ -338,7 +337,7 @@ def test_a_skipped_step_leaves_parameters_optimizer_and_fp8_state_bit_identical(
         scaler.scale(loss * (math.inf if poison else 1.0)).backward()
         scaler.step(opt)
         scaler.update()
-        commit(model, scaler)
+        commit_float8(model, scaler)
         opt.zero_grad()
 
     for _ in range(3):
@@ -354,11 +353,11 @@ def test_a_skipped_step_leaves_parameters_optimizer_and_fp8_state_bit_identical(
     for k, s in opt.state_dict()["state"].items():
         for n, t in s.items():
             assert torch.equal(t, opt_before[k][n])
-    assert all((m.fp8_amax == -1).all() for _, m in float8.float8_modules(model))  # the step's amaxes dropped
+    assert all((m.fp8_amax == -1).all() for _, m in float8.float8_layers(model))  # the step's amaxes dropped
     step(False)  # the next finite step commits again
     assert not torch.equal(after["qkv.0.fp8_amax_history"], model.state_dict()["qkv.0.fp8_amax_history"])
     with pytest.raises(mpx.MPXError, match=r"scaler's update\(\) was not called since the last commit"):
-        commit(model, scaler)
+        commit_float8(model, scaler)
 
 
 def test_skipped_flags():
@@ -366,13 +365,13 @@ def test_skipped_flags():
     for flag, moves in ((torch.tensor(1.0), False), (torch.tensor([0]), True), (False, True), (True, False)):
         _step(layer, 3.0, 1.0, 1.0, k=4, n=4)
         before = layer.fp8_amax_history.clone()
-        commit(layer, flag)
+        commit_float8(layer, flag)
         assert (not torch.equal(before, layer.fp8_amax_history)) == moves
     for bad in (1, "yes", torch.ones(2), None):
         with pytest.raises(mpx.UnsupportedTypeError, match="skipped: expected"):
-            commit(layer, bad)
+            commit_float8(layer, bad)
     with pytest.raises(mpx.UnsupportedTypeError, match="model: expected a torch.nn.Module"):
-        commit([layer])
+        commit_float8([layer])
 
 
 # -- torch.compile ------------------------------------------------------------------------------------
@@ -390,11 +389,49 @@ def test_compile_fullgraph_one_graph_and_the_eager_state():
     for _ in range(3):
         for m, fn in ((eager, eager), (compiled_model, compiled)):
             fn(tokens).float().square().mean().backward()
-            commit(m)
+            commit_float8(m)
     assert counter.frame_count == 1  # one graph, no recompile when the scales change
     for key, value in eager.state_dict().items():
         if "fp8" in key:
             assert torch.equal(value, compiled_model.state_dict()[key]), key
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="core: mpx.kernels.float8.compute_scale (current scaling) computes its constants with numpy "
+    "(mpx.kernels.bits.bits_of's np.errstate) while traced, which dynamo refuses",
+)
+def test_compile_fullgraph_current_scaling():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch.manual_seed(0)
+    model = convert(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4)), "float32,fp8=hybrid,fp8_scaling=current")
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    for _ in range(2):
+        compiled(torch.randn(4, 16)).square().mean().backward()
+        commit_float8(model)
+    assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("scaling", ["delayed", "current"])
+def test_forward_backward_and_commit_read_nothing_on_the_host(scaling, host_reads):
+    model = convert(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)), f"float32,fp8=hybrid,fp8_scaling={scaling}")
+    scaler = mpx_torch.GradScaler()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for bad in (False, True):
+        opt.zero_grad()
+        with host_reads() as rec:
+            loss = scaler.scale(model(torch.randn(4, 8)).square().mean())
+            loss.backward()
+        if bad:
+            model[0].weight.grad[0, 0] = math.inf
+        scaler.step(opt)  # a plain optimizer: one host read here, as torch's GradScaler
+        with host_reads() as rec2:
+            scaler.update()
+            commit_float8(model, scaler)
+            commit_float8(model, torch.tensor(float(bad)))
+        assert rec.syncs == rec2.syncs == []
 
 
 # -- state dicts ----------------------------------------------------------------------------------------
@@ -404,7 +441,7 @@ def test_state_dicts_round_trip():
     tokens = torch.randint(0, 32, (2, 8))
     for _ in range(3):
         model(tokens).sum().backward()
-        commit(model)
+        commit_float8(model)
     sd = model.state_dict()
     assert sd["qkv.0.fp8_scale"].shape == (3,) and sd["qkv.0.fp8_amax_history"].shape == (3, 8)
     assert not any(k.endswith("fp8_amax") for k in sd) and "head.fp8_scale" not in sd
@@ -418,7 +455,7 @@ def test_state_dicts_round_trip():
         neutral["format"] == "mpx.float8/1"
         and neutral["recipe"] == Float8Recipe(amax_history_len=8).to_dict()
     )
-    _, state = load_float8_state_dict(neutral)  # the core's loader
+    _, state = core_load_state_dict(neutral)  # the core's loader
     paths = ["qkv.0", "qkv.1", "proj.0", "proj.1", *(f"blocks.{i}.fc{j}" for i in (0, 1) for j in (1, 2))]
     assert set(state.tensors) == {f"{p}.{r}" for p in paths for r in ROLES3}
     assert state.tensors["qkv.0.input"].amax_history[0] > 0
@@ -473,7 +510,7 @@ def test_a_small_transformer_trains_under_fp8_hybrid():
         loss.backward()
         opt.step()
         opt.zero_grad()
-        commit(model)
+        commit_float8(model)
         losses.append(loss.item())
     assert all(math.isfinite(v) for v in losses)
     assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5, losses[::10]
@@ -501,7 +538,7 @@ for a_in, a_g, called in steps:
         g = torch.zeros(2, 2)
         g[1, 0] = a_g
         (layer(x) * g).sum().backward()
-    float8.commit(layer)
+    float8.commit_float8(layer)
 with open(out, "w") as f:
     json.dump(float8.float8_state_dict(layer), f)
 dist.destroy_process_group()
@@ -536,7 +573,7 @@ def test_replicas_commit_the_same_scales_from_max_reduced_amaxes(tmp_path):
     for s0, s1 in zip(*steps, strict=True):
         per_rank = [{"input": s[0], "weight": 0.5, "grad": s[1]} if s[2] else {} for s in (s0, s1)]
         state = float8_update(recipe, state, mpx.float8.reduce_amaxes(per_rank))
-    assert load_float8_state_dict(got[0])[1] == state
+    assert core_load_state_dict(got[0])[1] == state
 
 
 def test_a_cast_of_the_model_is_caught_and_convert_restores_float32_state():
@@ -563,7 +600,7 @@ def test_a_tiny_hf_llama_trains_under_fp8_hybrid():
     model = transformers.LlamaForCausalLM(config)  # random weights, no download
     policy = "mixed_bfloat16,fp8=hybrid,fp8_history=16,@lm_head={fp8=none}"
     convert(mpx_torch.prepare(model, policy), policy)
-    names = [name for name, _ in float8.float8_modules(model)]
+    names = [name for name, _ in float8.float8_layers(model)]
     assert len(names) == 14 and "model.layers.1.mlp.down_proj" in names and "lm_head" not in names
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     data = torch.arange(32).repeat(4, 2)[:, :16]
@@ -573,7 +610,7 @@ def test_a_tiny_hf_llama_trains_under_fp8_hybrid():
         loss.backward()
         opt.step()
         opt.zero_grad()
-        commit(model)
+        commit_float8(model)
         losses.append(loss.item())
     assert all(math.isfinite(v) for v in losses) and losses[-1] < 0.5 * losses[0], losses[::5]
     json.dumps(float8.float8_state_dict(model))  # the neutral dict of a real model is JSON
@@ -616,7 +653,7 @@ def test_a_long_trace_with_a_grad_scaler_is_float8_update():
         scaler.scale((layer(x) * g).sum() * (math.inf if poison else 1.0)).backward()
         scaler.step(opt)
         scaler.update()
-        commit(layer, scaler)
+        commit_float8(layer, scaler)
         opt.zero_grad()
         skipped = not math.isfinite(a_in) or poison
         assert scaler.state.skipped_steps == skips + skipped, t
@@ -625,23 +662,23 @@ def test_a_long_trace_with_a_grad_scaler_is_float8_update():
             np.float32(a_g) * np.float32(scale)
         )  # the gradient the layer sees carries the loss scale
         state = float8_update(recipe, state, {"input": a_in, "weight": a_w, "grad": grad}, skipped=skipped)
-        assert load_float8_state_dict(float8.float8_state_dict(layer))[1] == state, t
+        assert core_load_state_dict(float8.float8_state_dict(layer))[1] == state, t
     assert skips > 10
 
 
 def test_an_eval_forward_records_no_amax():
     layer = convert(nn.Linear(4, 4), "float32,fp8=hybrid,fp8_history=2")
     _step(layer, 3.0, 1.0, 1.0, k=4, n=4)
-    commit(layer)
+    commit_float8(layer)
     before = {k: v.clone() for k, v in layer.state_dict().items()}
     layer.eval()
     with torch.no_grad():
         layer(torch.full((2, 4), 100.0))
-    commit(layer)
+    commit_float8(layer)
     assert all(torch.equal(v, layer.state_dict()[k]) for k, v in before.items())
     layer.train()
     _step(layer, 100.0, 1.0, 1.0, k=4, n=4)
-    commit(layer)
+    commit_float8(layer)
     assert layer.fp8_amax_history[0].tolist() == [100.0, 3.0]
 
 

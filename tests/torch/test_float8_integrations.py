@@ -41,7 +41,7 @@ def _fp8_state(model):
 
 def _recorded(model):
     """Per FP8 module: how many amaxes its input row recorded (delayed scaling, positive amaxes)."""
-    return {path: int((m.fp8_amax_history[0] > 0).sum()) for path, m in float8.float8_modules(model)}
+    return {path: int((m.fp8_amax_history[0] > 0).sum()) for path, m in float8.float8_layers(model)}
 
 
 def _assert_same(a, b):
@@ -125,14 +125,14 @@ def _manual(policy, n, inf_at=None):
         scaler.scale(loss).backward()
         scaler.step(opt)
         scaler.update()
-        float8.commit(net, scaler)
+        float8.commit_float8(net, scaler)
         opt.zero_grad()
     return net
 
 
 def test_lightning_trainer_commits_after_each_step_and_never_on_a_skipped_one(tmp_path):
     trainer, module = _fit(FP16_FP8, 5, inf_at=2)
-    assert [p for p, _ in float8.float8_modules(module)] == ["net.0", "net.2"]
+    assert [p for p, _ in float8.float8_layers(module)] == ["net.0", "net.2"]
     assert trainer.precision_plugin.scaler.state.skipped_steps == 1
     _assert_same(module.before[2], module.after[2])  # parameters, AdamW state and FP8 buffers
     fp8 = _fp8_state(module)
@@ -227,7 +227,7 @@ def test_accelerate_skips_commit_nothing_and_accumulation_commits_per_window(
     assert set(_recorded(model).values()) == {3}  # three applied windows
     accelerator.save_state(tmp_path / "state")
     saved = _fp8_state(model)
-    float8.commit(model)  # nothing observed since the last step: commits change nothing
+    float8.commit_float8(model)  # nothing observed since the last step: commits change nothing
     for m in model.modules():
         if isinstance(m, float8.Float8Linear):
             m.fp8_scale.fill_(1.0)
@@ -283,7 +283,7 @@ def test_hf_trainer_commits_per_applied_step_and_checkpoints_the_fp8_state(fresh
     model.model.embed_tokens.weight.register_hook(lambda g: g * math.inf if inf.armed else g)
     trainer.add_callback(inf)
     trainer.train()
-    names = [p for p, _ in float8.float8_modules(model)]
+    names = [p for p, _ in float8.float8_layers(model)]
     assert len(names) == 14 and "lm_head" not in names
     _assert_same(inf.before, inf.after)  # parameters, AdamW state, FP8 buffers
     logs = [log for log in trainer.state.log_history if "loss" in log]

@@ -72,7 +72,7 @@ def _mpx_trace(p: dict) -> list[int]:
         else:
             layer(torch.from_numpy(trace_input(amax)))
         layer.zero_grad()
-        float8.commit(layer, skipped)
+        float8.commit_float8(layer, skipped)
         scales.append(float(layer.fp8_scale[row]))
     return f32_to_bits(scales)
 

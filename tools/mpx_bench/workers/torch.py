@@ -191,7 +191,7 @@ class Runner:
             device,
         )
         # FP8 Linears (a policy with fp8=): their state commits after each step, as in training
-        self.fp8 = [m for _, m in float8.float8_modules(net)]
+        self.fp8 = [m for _, m in float8.float8_layers(net)]
         fused = device.type == "cuda"
         self.opt = torch.optim.AdamW(net.parameters(), lr=1e-4, **({"fused": True} if fused else {}))
         # --compile: the whole step under torch.compile (inductor); dynamo's counters, read around each
@@ -241,7 +241,7 @@ class Runner:
             loss.backward()
             self.opt.step()
         if self.fp8:
-            float8.commit(self.net, self.scaler if self.scaler is not None else False)
+            float8.commit_float8(self.net, self.scaler if self.scaler is not None else False)
 
     def fp8_figures(self) -> dict[str, Any]:
         """``fp8_layers``, ``fp8_gemm`` (the GEMMs they run) and ``fp8_note`` (``CPU emulation`` unless every

@@ -87,7 +87,7 @@ def _train(make_model: Callable[[int], nn.Module], data: Sequence[np.ndarray], p
     model = make_model(seed).to(device)
     if p.lowers_precision or _uses_fp8(p):
         model = mpx_torch.prepare(model, p)  # under fp8=: the policy's nn.Linear modules run FP8 GEMMs
-    fp8_layers = sum(1 for _ in float8.float8_modules(model))
+    fp8_layers = sum(1 for _ in float8.float8_layers(model))
     opt = torch.optim.Adam(model.parameters(), lr=settings.lr)
     scaler = mpx_torch.GradScaler(mpx.ScalerConfig.for_policy(p))
     scaler.record_history()  # on device; read once at the end
@@ -102,7 +102,7 @@ def _train(make_model: Callable[[int], nn.Module], data: Sequence[np.ndarray], p
         scaler.step(opt)
         scaler.update()
         if fp8_layers:
-            float8.commit(model, scaler)  # nothing on a skipped step
+            float8.commit_float8(model, scaler)  # nothing on a skipped step
         losses.append(float(loss.detach()))
         scales.append(float(scaler.get_scale()) if scaler.config.kind != "none" else 1.0)
     model.eval()
