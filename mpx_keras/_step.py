@@ -1,9 +1,9 @@
 """The pure parts of :class:`mpx_keras.LossScaleOptimizer`'s step, on ``keras.ops`` (any Keras backend).
 
 Keras's LossScaleOptimizer arguments mapped onto an :class:`mpx.ScalerConfig`
-(:func:`keras_arguments`), the scaler transition on tensors (:func:`next_state`,
-:func:`mpx.scaler_update` bit for bit), the finiteness test, the unscaling, and
-:func:`branch` (a ``keras.ops.cond``, or a Python branch where jax runs eagerly).
+(:func:`keras_arguments`), the finiteness test, the unscaling, and :func:`branch` (a
+``keras.ops.cond``, or a Python branch where jax runs eagerly).  The scaler's transition
+itself is the core's kernel, :func:`mpx.kernels.scale.update`, run with a backend's table.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import keras
 import mpx
 from mpx.errors import MPXError, ScalerConfigError, UnsupportedTypeError
 from mpx_keras import _compat
-from mpx_keras._scale_bits import KERAS_OPS, TensorOps, next_scale
 
 __all__ = [
     "STATE_VARIABLES",
@@ -25,7 +24,6 @@ __all__ = [
     "check_inner",
     "divide",
     "keras_arguments",
-    "next_state",
 ]
 
 ops = keras.ops
@@ -115,38 +113,6 @@ STATE_VARIABLES = (
     ("total_steps", "steps", "int32"),
     ("skipped_steps", "skipped_steps", "int32"),
 )
-
-
-def _as_value(v: Any) -> Any:
-    return v.value if isinstance(v, keras.Variable) else v
-
-
-def _increment(counter: Any, by: Any = 1) -> Any:
-    """``counter + by`` saturating at :data:`mpx.COUNTER_MAX` (no int32 wrap-around)."""
-    return ops.where(counter < mpx.COUNTER_MAX - by, counter + by, mpx.COUNTER_MAX)
-
-
-def next_state(
-    config: mpx.ScalerConfig, state: Sequence[Any], finite: Any, tensor_ops: TensorOps = KERAS_OPS
-) -> list[Any]:
-    """:func:`mpx.scaler_update` on tensors: the five state values after a step (pure, ``keras.ops``).
-
-    ``state``: (scale float32, growth_tracker, consecutive_nonfinite, steps, skipped_steps) int32
-    tensors; ``finite``: a bool scalar tensor; ``tensor_ops``: the scale product's operations.
-    """
-    scale, tracker, consecutive, steps, skipped = (_as_value(v) for v in state)
-    zero = ops.zeros((), "int32")
-    consecutive = ops.where(finite, zero, _increment(consecutive))
-    if config.kind == "dynamic":
-        grown_tracker = tracker + 1
-        at_interval = ops.equal(grown_tracker, config.growth_interval)
-        back = consecutive >= config.hysteresis
-        scale = next_scale(config, scale, finite, at_interval, back, tensor_ops)
-        tracker = ops.where(ops.logical_and(finite, ops.logical_not(at_interval)), grown_tracker, zero)
-    steps = _increment(steps)
-    if config.skip_nonfinite:
-        skipped = ops.where(finite, skipped, _increment(skipped))
-    return [scale, tracker, consecutive, steps, skipped]
 
 
 def all_finite(grads: Sequence[Any]) -> Any:

@@ -41,7 +41,6 @@ import keras
 import numpy as np
 
 import mpx
-from mpx import float8 as core
 from mpx.errors import MPXError, StateDictError, UnsupportedTypeError
 from mpx.float8 import (
     ROLES,
@@ -52,8 +51,10 @@ from mpx.float8 import (
     one_recipe,
     tensor_key,
 )
-from mpx.float8 import float8_state_dict as _core_state_dict
-from mpx.float8 import load_float8_state_dict as _core_load
+from mpx.float8 import load_state_dict as _core_load
+from mpx.float8 import state_dict as _core_state_dict
+from mpx.kernels import NUMPY_OPS
+from mpx.kernels import float8 as kernel
 from mpx.ops import OpTable, as_op_table
 from mpx_keras import _compat
 from mpx_keras._float8_ops import contraction, fp8_contract
@@ -347,8 +348,8 @@ def float8_state_dict(model: keras.layers.Layer) -> dict[str, Any]:
             hist = values[role].get("amax_history", np.zeros((0,), np.float32))
             scale = float(values[role]["scale"])
             if recipe.scaling == "delayed":  # the variable holds the last step's scale: the next one is
-                window = float(hist[0] if recipe.amax_compute == "most_recent" else hist.max())
-                scale = core.compute_scale(recipe, window, recipe.format_of(role), scale)
+                window = kernel.window(NUMPY_OPS, recipe, hist)
+                scale = float(kernel.compute_scale(NUMPY_OPS, recipe, window, recipe.format_of(role), scale))
             tensors[tensor_key(path, role)] = TensorScale(role, scale, tuple(float(v) for v in hist))
     return _core_state_dict(recipe, Float8State(tensors))
 
@@ -356,7 +357,7 @@ def float8_state_dict(model: keras.layers.Layer) -> dict[str, Any]:
 def load_float8_state_dict(model: keras.layers.Layer, state_dict: Mapping[str, Any]) -> None:
     """Load an ``mpx.float8/1`` dict (from any backend) into ``model``'s FP8 layers, in place.
 
-    Every field is validated (:func:`mpx.load_float8_state_dict`); the recipe must equal the layers'
+    Every field is validated (:func:`mpx.float8.load_state_dict`); the recipe must equal the layers'
     and the tensor names must be exactly theirs.  All or nothing.  Under delayed scaling the next step
     quantizes with the scale its history gives (the dict's, for any dict :func:`mpx.float8.float8_update`
     wrote; an all-zero history keeps the dict's scale).

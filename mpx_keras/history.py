@@ -3,7 +3,8 @@
 History (opt-in, ``LossScaleOptimizer.record_history()``): each optimizer step
 writes the state after it (the scale's float32 bits, ``growth_tracker``,
 ``consecutive_nonfinite``, the step number) into one row of an int32 ring-buffer
-variable (:class:`HistoryBuffer`), with ``keras.ops`` inside the step: eagerly,
+variable (:class:`HistoryBuffer`), by the core's ring kernel
+(:func:`mpx.kernels.ring.record`, with the optimizer's table) inside the step: eagerly,
 inside ``tf.function``, ``torch.compile`` and the jax trainer's jitted
 ``stateless_apply`` alike, with no host read.  ``history()`` reads the buffer on
 the host in one transfer and decodes it with :meth:`mpx.ScalerHistory.from_rows`.
@@ -42,7 +43,7 @@ import keras
 import numpy as np
 
 import mpx
-from mpx.errors import MPXError
+from mpx.kernels import ArrayOps, ring
 
 __all__ = ["HistoryBuffer", "LossFlag", "check_stuck_in_step"]
 
@@ -66,14 +67,8 @@ class HistoryBuffer:
     """
 
     def __init__(self, capacity: int) -> None:
-        if (
-            not isinstance(capacity, int)
-            or isinstance(capacity, bool)
-            or not 1 <= capacity <= mpx.COUNTER_MAX
-        ):
-            raise MPXError(f"capacity: expected an int in [1, 2**31 - 1] (steps kept), got {capacity!r}")
-        self.capacity = capacity
-        self.rows = _variable(np.zeros((capacity, 4), np.int32), "int32", "mpx_history")
+        self.capacity = ring.check_capacity(capacity)
+        self.rows = _variable(np.zeros((capacity, len(ring.ROW_FIELDS)), np.int32), "int32", "mpx_history")
         self.recorded = _variable(np.int32(0), "int32", "mpx_history_rows")
 
     @property
@@ -81,24 +76,17 @@ class HistoryBuffer:
         """The buffer's two variables (rows, then the count of rows written)."""
         return [self.rows, self.recorded]
 
-    def record(self, scale: Any, tracker: Any, consecutive: Any, steps: Any, when: Any = None) -> None:
-        """Write the state after this step (tensors) into the next row (``keras.ops`` only).
+    def record(self, o: ArrayOps, state: Any, when: Any = None) -> None:
+        """Write the state after this step (a :class:`mpx.kernels.scale.ScaleState` of tensors) into the next
+        row, by :func:`mpx.kernels.ring.record` with the table ``o``.
 
         ``when``: a bool scalar tensor; when given, the row is written only where it is
         True (an accumulation window's last micro-batch), without a branch.
         """
-        rows, recorded = self.rows.value, self.recorded.value
-        index = ops.mod(recorded, self.capacity)
-        row = ops.stack([ops.view(scale, "int32"), ops.cast(tracker, "int32"),
-                         ops.cast(consecutive, "int32"), ops.cast(steps, "int32")])[None]  # fmt: skip
-        start = [index, ops.zeros((), "int32")]
-        if when is not None:
-            row = ops.where(when, row, ops.slice(rows, start, (1, 4)))
-            recorded = ops.where(when, recorded + 1, recorded)
-        else:
-            recorded = recorded + 1
-        self.rows.assign(ops.slice_update(rows, start, row))
-        self.recorded.assign(ops.minimum(recorded, mpx.COUNTER_MAX))
+        row = ring.row(o, state.scale, state.growth_tracker, state.consecutive_nonfinite, state.steps)
+        rows, recorded = ring.record(o, self.rows.value, self.recorded.value, row, when)
+        self.rows.assign(rows)
+        self.recorded.assign(recorded)
 
     def read(self, config: mpx.ScalerConfig) -> mpx.ScalerHistory:
         """The recorded steps, oldest first (one read of the buffer; :meth:`mpx.ScalerHistory.from_rows`)."""

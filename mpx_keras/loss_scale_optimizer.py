@@ -8,9 +8,9 @@ gradients, ``apply_gradients``, ``stateless_apply``, ``inner_optimizer``,
 - the state lives in variables (a float32 ``dynamic_scale``, int32 counters
   saturating at 2**31 - 1, as the core's), so a traced step reads the current
   scale and never retraces;
-- every scale product is torch's, ``float32(float64(scale) * float64(factor))``,
-  computed exactly on the scale's int32 bits (:mod:`mpx_keras._scale_bits`,
-  :data:`~mpx_keras._scale_bits.KERAS_OPS`: no float64, immune to flush-to-zero);
+- the transition is the core's kernel, :func:`mpx.kernels.scale.update`, run with
+  :data:`~mpx_keras._array_ops.KERAS_ARRAY_OPS` (``keras.ops``): every scale product is
+  torch's, ``float32(float64(scale) * float64(factor))``, exactly on every backend;
 - the finiteness test is on the unscaled gradients;
 - a skipped step runs no update (``keras.ops.cond``), so the model's variables
   and the inner optimizer's (``iterations``, moments) stay bit-identical.
@@ -35,8 +35,10 @@ import numpy as np
 
 import mpx
 from mpx.errors import MPXError
+from mpx.kernels import ArrayOps
+from mpx.kernels import scale as scale_kernel
 from mpx_keras import _compat
-from mpx_keras._scale_bits import KERAS_OPS, TensorOps
+from mpx_keras._array_ops import KERAS_ARRAY_OPS
 from mpx_keras._step import (
     HALF,
     INNER_ONLY,
@@ -47,12 +49,11 @@ from mpx_keras._step import (
     divide,
     is_concrete,
     keras_arguments,
-    next_state,
 )
 from mpx_keras.accumulation import Window
 from mpx_keras.history import HistoryBuffer, LossFlag, check_stuck_in_step
 
-__all__ = ["INNER_ONLY", "LossScaleOptimizer", "keras_arguments", "next_state"]
+__all__ = ["INNER_ONLY", "LossScaleOptimizer", "keras_arguments"]
 
 ops = keras.ops
 
@@ -89,7 +90,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     mpx's scaler surface: :meth:`get_scale` (a host read), :meth:`scale`
     (Keras's :meth:`scale_loss` is the same), :attr:`state`, :attr:`config`,
     :meth:`state_dict` / :meth:`load_state_dict`, :meth:`record_history` /
-    :meth:`history`.  The state is five variables saved with the model:
+    :meth:`history`, :meth:`last_step_skipped`.  The state is five variables saved with the model:
     ``dynamic_scale`` (float32), ``step_counter`` (mpx's ``growth_tracker``),
     ``consecutive_nonfinite``, ``steps`` and ``skipped_steps`` (int32).  On the jax
     trainer, read the state after ``fit`` or from a callback: Keras copies the
@@ -113,8 +114,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     #: Keras arguments beside the inner optimizer and config (named in the unknown-argument error).
     _ALLOWED = "name"
-    #: The tensor operations of the scale product (:mod:`mpx_keras._scale_bits`).
-    _tensor_ops: TensorOps = KERAS_OPS
+    #: The array-ops table the core's kernels run with (the transition, the history ring).
+    _array_ops: ArrayOps = KERAS_ARRAY_OPS
 
     def __init__(
         self,
@@ -309,15 +310,19 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         else:
             apply_fn()
 
+    def _next_state(self, state: Sequence[Any], finite: Any) -> scale_kernel.ScaleState:
+        """The five state values after a step (the core's kernel on the table; ``state``: their values)."""
+        return scale_kernel.update(self._array_ops, self._config, scale_kernel.ScaleState(*state), finite)
+
     def _transition(self, finite: Any) -> None:
         """:func:`mpx.scaler_update` on the variables, the history row and the stuck check."""
         state = self._state_variables()
-        new = next_state(self._config, state, finite, self._tensor_ops)
+        new = self._next_state([v.value for v in state], finite)
         for var, value in zip(state, new, strict=True):
             var.assign(value)
         extras = self._mpx_extras
         if extras.history is not None:
-            extras.history.record(new[0], new[1], new[2], new[3])
+            extras.history.record(self._array_ops, new)
         if self._config.max_consecutive_skips is None:
             return
         if is_concrete(finite):
@@ -419,13 +424,13 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         else:
             new_trainable, new_inner = apply_fn()
         with _compat.StatelessScope(state_mapping=mapping) as scope:
-            new = next_state(cfg, state, finite, self._tensor_ops)
+            new = self._next_state(state, finite)
             if last is not None:  # the scaler moves at the window's last micro-batch only
-                new = [ops.where(last, n, s) for n, s in zip(new, state, strict=True)]
+                new = scale_kernel.ScaleState(*(ops.where(last, n, s) for n, s in zip(new, state, strict=True)))
             for var, value in zip(self._state_variables(), new, strict=True):
                 var.assign(value)
             if self._mpx_extras.history is not None:
-                self._mpx_extras.history.record(new[0], new[1], new[2], new[3], when=last)
+                self._mpx_extras.history.record(self._array_ops, new, when=last)
             new_own = [scope.get_current_value(v) for v in own]
             new_extra = [scope.get_current_value(v) for v in extra]
         if cfg.max_consecutive_skips is not None:
@@ -488,7 +493,15 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         """The neutral JSON-safe state dict (format ``mpx.scaler/1``), as every mpx scaler writes."""
         return mpx.state_dict(self._config, self.state)
 
-    def load_state_dict(self, data: Mapping[str, Any]) -> None:
+    def last_step_skipped(self) -> Any:
+        """Whether the last optimizer step (an accumulation window's last micro-batch) was skipped: a bool
+        scalar tensor, read from the state with no host read (usable inside a traced step); False before the
+        first step and for a config that does not skip."""
+        if not self._config.skip_nonfinite:
+            return ops.convert_to_tensor(False)
+        return ops.greater(self.consecutive_nonfinite.value, 0)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore config and state from any mpx scaler's state dict; on error nothing changes.
 
         The config is Python-side: a step traced before a load that changes it keeps the
@@ -497,7 +510,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         Raises:
             StateDictError: for a malformed dict.
         """
-        config, state = mpx.load_state_dict(data)  # every check first: below, nothing can fail
+        config, state = mpx.load_state_dict(state_dict)  # every check first: below, nothing can fail
         self._assign_state(state)
         self._config = config
         self._mpx_extras.configure(config)

@@ -12,8 +12,9 @@ adds only TensorFlow's parts:
 - ``reduce_dtype=`` runs the cross-replica gradient sum in that dtype
   (:func:`mpx_tf.distributed.set_reduce_dtype`);
 - ``tf.IndexedSlices`` gradients (embeddings) are unscaled and checked as slices;
-- the scale product runs on TensorFlow's own functions (an eager step about
-  twice as fast as through ``keras.ops``' wrappers).
+- the core's kernels (the transition, the history ring) run with TensorFlow's own
+  table, :data:`mpx_tf._array_ops.TF_ARRAY_OPS` (an eager step faster than through
+  ``keras.ops``' wrappers).
 
 TensorBoard scalars of the history are :class:`mpx_tf.ScalerHistoryCallback`'s
 (``tf.summary``).  Saved files naming ``mpx_tf>LossScaleOptimizer`` load as this
@@ -30,22 +31,13 @@ import keras
 import tensorflow as tf
 
 import mpx
-from mpx_keras._scale_bits import TensorOps
 from mpx_keras._step import HALF, all_finite
 from mpx_keras.loss_scale_optimizer import LossScaleOptimizer as KerasLossScaleOptimizer
 from mpx_tf import _compat
+from mpx_tf._array_ops import TF_ARRAY_OPS
 from mpx_tf.distributed import Window, reduce_dtype_of, set_reduce_dtype
 
 __all__ = ["LossScaleOptimizer"]
-
-#: TensorFlow's own functions for the core's scale product (mpx_keras._scale_bits): an eager step is
-#: about twice as fast as through keras.ops' wrappers.
-_TF_OPS = TensorOps(
-    tf.bitwise.right_shift, tf.bitwise.left_shift, tf.bitwise.bitwise_and, tf.bitwise.bitwise_or,
-    tf.math.logical_and, tf.math.logical_or, tf.where, tf.math.minimum, tf.math.maximum,
-    lambda x, dtype: tf.bitcast(x, dtype), lambda x: tf.constant(x, tf.int32),
-)  # fmt: skip
-
 
 @keras.saving.register_keras_serializable(package="mpx_tf")
 class LossScaleOptimizer(KerasLossScaleOptimizer):
@@ -76,7 +68,7 @@ class LossScaleOptimizer(KerasLossScaleOptimizer):
     """
 
     _ALLOWED = "name, reduce_dtype"
-    _tensor_ops = _TF_OPS
+    _array_ops = TF_ARRAY_OPS
     _window_class = Window
 
     def __init__(

@@ -8,12 +8,9 @@ import functools
 import keras
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 import mpx
 import mpx_keras
-from mpx_keras.loss_scale_optimizer import next_state
 
 BACKEND = keras.config.backend()
 CONFIG = mpx.ScalerConfig(init_scale=2.0**10, growth_interval=2, hysteresis=2)
@@ -177,47 +174,17 @@ def test_a_custom_train_step_follows_the_reference_trace():
     assert opt.state == reference(CONFIG, FLAGS)
 
 
-# -- the transition, property-tested on this backend's tensors -----------------------------------------------
-@settings(max_examples=60, deadline=None)
-@given(
-    scale=st.floats(2.0**-126, 2.0**40, allow_nan=False).map(lambda s: float(np.float32(s))),
-    tracker=st.integers(0, 5),
-    consecutive=st.integers(0, 4),
-    finite=st.booleans(),
-    growth=st.sampled_from([2.0, 3.0, 1.5, 1.0000001]),
-    backoff=st.sampled_from([0.5, 0.3, 0.25, 0.9999999]),
-    hysteresis=st.integers(1, 3),
-)
-def test_next_state_is_scaler_update_bit_for_bit(
-    scale, tracker, consecutive, finite, growth, backoff, hysteresis
-):
-    config = mpx.ScalerConfig(
-        init_scale=1.0, growth_factor=growth, backoff_factor=backoff, growth_interval=6, hysteresis=hysteresis,
-        min_scale=None, max_scale=None,
-    )  # fmt: skip
-    before = mpx.ScalerState(scale, tracker, consecutive, 7, 3)
-    values = [keras.ops.convert_to_tensor(np.float32(scale))] + [
-        keras.ops.convert_to_tensor(v, "int32") for v in (tracker, consecutive, 7, 3)
-    ]
-    after = next_state(config, values, keras.ops.convert_to_tensor(finite))
-    got = [keras.ops.convert_to_numpy(v) for v in after]
-    want = mpx.scaler_update(config, before, finite)
-    assert np.float32(got[0]).view(np.int32) == np.float32(want.scale).view(np.int32)
-    assert [int(v) for v in got[1:]] == [want.growth_tracker, want.consecutive_nonfinite, want.steps,
-                                         want.skipped_steps]  # fmt: skip
-
-
+# -- the transition: the core's kernel (tests/keras/test_kernel_parity.py), wired to the variables ----------
 def test_counters_saturate_without_wrapping():
     config = mpx.ScalerConfig(kind="static", init_scale=4.0)
     top = mpx.COUNTER_MAX
-    values = [keras.ops.convert_to_tensor(np.float32(4.0))] + [
-        keras.ops.convert_to_tensor(v, "int32") for v in (0, top, top, top)
-    ]
-    got = [
-        int(keras.ops.convert_to_numpy(v))
-        for v in next_state(config, values, keras.ops.convert_to_tensor(False))[1:]
-    ]
-    assert got == [0, top, top, top]
+    opt = mpx_keras.LossScaleOptimizer(keras.optimizers.SGD(0.1), config)
+    w = keras.Variable(np.ones(2, np.float32))
+    opt.build([w])
+    opt.load_state_dict({**opt.state_dict(), "consecutive_nonfinite": top, "steps": top, "skipped_steps": top})
+    opt.apply([keras.ops.convert_to_tensor(np.full(2, np.inf, np.float32))], [w])
+    assert opt.state == mpx.ScalerState(4.0, 0, top, top, top)
+    assert bool(keras.ops.convert_to_numpy(opt.last_step_skipped()))
 
 
 # -- what a backend cannot do -------------------------------------------------------------------------------
