@@ -31,6 +31,7 @@ import numpy as np
 from mpx.errors import MPXError, ScalerConfigError, StateDictError
 from mpx.kernels import scale as _kernel
 from mpx.kernels.array_ops import NUMPY_OPS
+from mpx.kernels.bits import f32_of
 
 #: The largest value of every counter (steps, skipped_steps, consecutive_nonfinite, and of
 #: growth_interval and hysteresis): int32's max, which every backend holds.  Counters saturate there.
@@ -69,8 +70,7 @@ BACKOFF_FACTOR_MIN = 2.0**-32
 
 def f32(x: float) -> float:
     """``x`` rounded to the nearest float32, as a Python float (inf past float32's range)."""
-    with np.errstate(over="ignore"):
-        return float(np.float32(x))
+    return f32_of(x)
 
 
 @dataclass(frozen=True)
@@ -225,6 +225,12 @@ class ScalerConfig:
             object.__setattr__(self, "max_consecutive_skips", int(limit))
         if not isinstance(self.on_stuck, str) or self.on_stuck not in ON_STUCK:
             raise err(f"on_stuck: {_show(self.on_stuck)} is not allowed; allowed: {', '.join(ON_STUCK)}")
+        # the constants every step reads, computed once (not fields: equality and hashing ignore them)
+        lo = SCALE_FLOOR if self.min_scale is None else f32(self.min_scale)
+        hi = math.inf if self.max_scale is None else f32(self.max_scale)
+        first = 1.0 if self.kind == "none" else f32(self.init_scale)
+        splits = (split_factor(self.growth_factor), split_factor(self.backoff_factor))
+        object.__setattr__(self, "_constants", (first, (lo, hi), *splits))
 
     @classmethod
     def for_policy(cls, policy: Any, **changes: Any) -> ScalerConfig:
@@ -238,15 +244,13 @@ class ScalerConfig:
     @property
     def first_scale(self) -> float:
         """The float32 scale a fresh state starts at (1.0 for kind ``none``)."""
-        return 1.0 if self.kind == "none" else f32(self.init_scale)
+        return self._constants[0]  # type: ignore[attr-defined, no-any-return]
 
     @property
     def bounds(self) -> tuple[float, float]:
         """(floor, ceiling) as float32 values: the floor is :data:`SCALE_FLOOR` for
         ``min_scale=None``, the ceiling inf for ``max_scale=None``."""
-        lo = SCALE_FLOOR if self.min_scale is None else f32(self.min_scale)
-        hi = math.inf if self.max_scale is None else f32(self.max_scale)
-        return lo, hi
+        return self._constants[1]  # type: ignore[attr-defined, no-any-return]
 
     @property
     def scale_can_drop_below_one(self) -> bool:
@@ -258,13 +262,13 @@ class ScalerConfig:
 
     @property
     def growth_split(self) -> FactorSplit:
-        """:func:`split_factor` of ``growth_factor`` (for backends without float64)."""
-        return split_factor(self.growth_factor)
+        """:func:`split_factor` of ``growth_factor`` (for tables without float64)."""
+        return self._constants[2]  # type: ignore[attr-defined, no-any-return]
 
     @property
     def backoff_split(self) -> FactorSplit:
-        """:func:`split_factor` of ``backoff_factor`` (for backends without float64)."""
-        return split_factor(self.backoff_factor)
+        """:func:`split_factor` of ``backoff_factor`` (for tables without float64)."""
+        return self._constants[3]  # type: ignore[attr-defined, no-any-return]
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-safe dict of every field."""

@@ -13,9 +13,8 @@ the operands' mantissas when a table's float32 arithmetic is not exact.
 
 from __future__ import annotations
 
+import struct
 from typing import Any
-
-import numpy as np
 
 from mpx.kernels.array_ops import ArrayOps
 
@@ -27,6 +26,7 @@ __all__ = [
     "abs_max",
     "below",
     "bits_of",
+    "f32_of",
     "from_bits",
     "from_mantissa",
     "is_finite",
@@ -49,9 +49,21 @@ SIGN_BIT = -(2**31)
 
 
 def bits_of(value: float) -> int:
-    """The int32 bit pattern of the float32 nearest ``value`` (a Python int, for constants)."""
-    with np.errstate(over="ignore"):
-        return int(np.float32(value).view(np.int32))
+    """The int32 bit pattern of the float32 nearest ``value`` (round to nearest even; +-inf past
+    float32's range): a Python int, for constants.
+
+    Plain Python (``struct``), so a kernel traced by a compiler (dynamo, jit) computes its
+    constants without calling into numpy.
+    """
+    try:
+        return struct.unpack("<i", struct.pack("<f", value))[0]
+    except OverflowError:  # rounds past float32's max
+        return INF_BITS if value > 0 else INF_BITS | SIGN_BIT
+
+
+def f32_of(value: float) -> float:
+    """The float32 nearest ``value`` as a Python float (+-inf past float32's range)."""
+    return struct.unpack("<f", struct.pack("<i", bits_of(value)))[0]
 
 
 def order_key_of(value: float) -> int:
@@ -88,10 +100,9 @@ def order_key(o: ArrayOps, b: Any) -> Any:
 
 def below(o: ArrayOps, x: Any, bound: float) -> Any:
     """``float32 x < bound`` for a Python float ``bound``, exactly (on the bits: nothing flushed)."""
-    b32 = np.float32(bound)
-    limit = b32 if float(b32) >= bound else np.nextafter(b32, np.float32(np.inf))
-    # x < bound  <=>  x < limit, the smallest float32 >= bound
-    return o.lt(order_key(o, to_bits(o, x)), order_key_of(float(limit)))
+    # x < bound  <=>  x < limit, the smallest float32 >= bound (one order-key step above a float32 below it)
+    key = order_key_of(bound) + (1 if f32_of(bound) < bound else 0)
+    return o.lt(order_key(o, to_bits(o, x)), key)
 
 
 def abs_max(o: ArrayOps, x: Any) -> Any:

@@ -25,8 +25,6 @@ from __future__ import annotations
 import math
 from typing import Any, Protocol
 
-import numpy as np
-
 from mpx.formats import DTYPE_NAMES, fp8_max
 from mpx.kernels.array_ops import ArrayOps
 from mpx.kernels.bits import (
@@ -34,6 +32,7 @@ from mpx.kernels.bits import (
     TINY_BITS,
     below,
     bits_of,
+    f32_of,
     from_bits,
     is_finite,
     is_nan,
@@ -57,8 +56,8 @@ __all__ = [
 
 #: The amax floor of ``current`` scaling (torchao's ``EPS``).
 CURRENT_AMAX_FLOOR = 1e-12
-_F32_MAX = float(np.finfo(np.float32).max)
-_F32_TINY = float(np.finfo(np.float32).tiny)
+_F32_MAX = math.ldexp(2.0 - 2.0**-23, 127)
+_F32_TINY = 2.0**-126
 _MAX_MARGIN = 400  # beyond this every scale is the floor: keeps the int32 exponents small
 
 
@@ -103,7 +102,7 @@ def quantize(o: ArrayOps, x: Any, scale: Any, fmt: str) -> Any:
 
 def _round_scale(value: float, power_of_two: bool) -> float:
     """A float64 ``fp8_max / amax / 2**margin`` as the float32 scale (ceiling, floor, power of two)."""
-    scale = _F32_MAX if value >= _F32_MAX else float(np.float32(value))
+    scale = _F32_MAX if value >= _F32_MAX else f32_of(value)
     scale = max(scale, _F32_TINY)  # zero or subnormal: its float32 inverse would overflow
     if power_of_two:
         scale = math.ldexp(1.0, math.frexp(scale)[1] - 1)

@@ -20,6 +20,7 @@ at :data:`COUNTER_MAX`.
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple, Protocol
 
 from mpx.kernels.array_ops import ArrayOps
@@ -41,10 +42,16 @@ COUNTER_MAX = 2**31 - 1
 
 
 class FactorLimbs(Protocol):
-    """A factor as ``mantissa * 2**exponent``, the 53-bit mantissa as five 12-bit limbs (low first)."""
+    """A factor as ``mantissa * 2**exponent``, the 53-bit mantissa as five 12-bit limbs (low first);
+    each limb and the exponent a Python int or an int32 array (a factor chosen per step by a select)."""
 
-    limbs: tuple[int, int, int, int, int]
-    exponent: int
+    limbs: tuple[Any, Any, Any, Any, Any]
+    exponent: Any
+
+
+class _Limbs(NamedTuple):
+    limbs: tuple[Any, Any, Any, Any, Any]
+    exponent: Any
 
 
 class ScalerRule(Protocol):
@@ -108,11 +115,11 @@ def product_bits(o: ArrayOps, bits: Any, split: FactorLimbs) -> Any:
     a0, a1 = o.bit_and(ma, 0xFFF), o.shr(ma, 12)
     b0, b1, b2, b3, b4 = split.limbs
 
-    def column(*terms: tuple[Any, int]) -> Any:
+    def column(*terms: tuple[Any, Any]) -> Any:
         total: Any = 0
         for a, b in terms:
-            if b:
-                total = o.add(total, o.mul(a, b))
+            if not (isinstance(b, int) and b == 0):  # a zero limb known now adds nothing
+                total = o.mul(a, b) if isinstance(total, int) else o.add(total, o.mul(a, b))
         return o.int32(total) if isinstance(total, int) else total
 
     columns = (
@@ -152,7 +159,7 @@ def product_bits(o: ArrayOps, bits: Any, split: FactorLimbs) -> Any:
     r = o.add(r, o.cast(up, "int32"))
     over = o.shr(r, 24)  # 1 when rounding carried to 2**24
     r = o.shr(r, over)
-    field = o.add(o.sub(o.add(exp_a, split.exponent + 53), o.cast(short, "int32")), over)
+    field = o.add(o.sub(o.add(o.add(exp_a, split.exponent), 53), o.cast(short, "int32")), over)
     safe = o.maximum(o.minimum(field, 254), 1)
     normal = o.bit_or(o.shl(safe, 23), o.bit_and(r, 0x7FFFFF))
     return o.where(o.lt(254, field), INF_BITS, o.where(o.lt(field, 1), 0, normal))
@@ -167,6 +174,22 @@ def scale_product_bits(o: ArrayOps, scale: Any, factor: float, split: FactorLimb
     return product_bits(o, to_bits(o, scale), split)
 
 
+def _step_product_bits(o: ArrayOps, config: ScalerRule, scale: Any, finite: Any) -> Any:
+    """The bits of ``float32(float64(scale) * factor)`` with the growth factor where ``finite`` and the
+    backoff factor elsewhere: one product per step, its factor chosen by a select.  +inf's bits on
+    overflow; below 2**-126 any bits below 2**-126's (the caller floors them)."""
+    if o.float64:
+        factor = o.where(finite, o.cast(config.growth_factor, "float64"), config.backoff_factor)
+        return to_bits(o, o.cast(o.mul(o.cast(scale, "float64"), factor), "float32"))
+    grow, back = config.growth_split, config.backoff_split
+
+    def pick(g: int, b: int) -> Any:
+        return g if g == b else o.where(finite, g, b)
+
+    limbs = tuple(pick(g, b) for g, b in zip(grow.limbs, back.limbs, strict=True))
+    return product_bits(o, to_bits(o, scale), _Limbs(limbs, pick(grow.exponent, back.exponent)))  # type: ignore[arg-type]
+
+
 def update(o: ArrayOps, config: ScalerRule, state: ScaleState, finite: Any) -> ScaleState:
     """The state after a step whose gradients were ``finite`` (a bool scalar array; traced or not).
 
@@ -175,26 +198,25 @@ def update(o: ArrayOps, config: ScalerRule, state: ScaleState, finite: Any) -> S
     ``backoff_factor`` once ``hysteresis`` non-finite steps have come in a row, down to
     ``min_scale`` (2**-126 for None).  Positive float32 values order as their bits, so the
     bounds apply to the bits.  The step counts as skipped when it is not finite and
-    ``config.skip_nonfinite``.
+    ``config.skip_nonfinite``.  What the config fixes (a hysteresis of 1, no ceiling, no
+    skipping) is decided here, in Python, and leaves its selects out of the traced step.
     """
-    nonfinite = o.logical_not(finite)
-    consecutive = o.where(finite, o.int32(0), bump(o, state.consecutive_nonfinite))
+    consecutive = o.where(finite, 0, bump(o, state.consecutive_nonfinite))
     scale, tracker = state.scale, state.growth_tracker
     if config.kind == "dynamic":
         lo, hi = config.bounds
         sbits = to_bits(o, scale)
-        grown = scale_product_bits(o, scale, config.growth_factor, config.growth_split)
-        grown = o.where(o.lt(grown, INF_BITS), o.minimum(grown, bits_of(hi)), sbits)
-        backed = o.maximum(
-            scale_product_bits(o, scale, config.backoff_factor, config.backoff_split), bits_of(lo)
-        )
+        product = _step_product_bits(o, config, scale, finite)
+        grown = o.minimum(product, bits_of(hi)) if hi != math.inf else product
+        grown = o.where(o.lt(product, INF_BITS), grown, sbits)  # a growth to inf keeps the scale
+        backed = o.maximum(product, bits_of(lo))
+        if config.hysteresis > 1:  # else every non-finite step backs off
+            backed = o.where(o.le(config.hysteresis, consecutive), backed, sbits)
         counted = o.add(tracker, 1)
         hit = o.eq(counted, config.growth_interval)
-        back = o.le(config.hysteresis, consecutive)
-        new_bits = o.where(finite, o.where(hit, grown, sbits), o.where(back, backed, sbits))
-        scale = from_bits(o, new_bits)
-        tracker = o.where(finite, o.where(hit, o.int32(0), counted), o.int32(0))
+        scale = from_bits(o, o.where(finite, o.where(hit, grown, sbits), backed))
+        tracker = o.where(finite, o.where(hit, 0, counted), 0)
     skipped = state.skipped_steps
     if config.skip_nonfinite:
-        skipped = bump(o, skipped, nonfinite)
+        skipped = bump(o, skipped, o.logical_not(finite))
     return ScaleState(scale, tracker, consecutive, bump(o, state.steps), skipped)

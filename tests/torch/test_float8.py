@@ -396,11 +396,6 @@ def test_compile_fullgraph_one_graph_and_the_eager_state():
             assert torch.equal(value, compiled_model.state_dict()[key]), key
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core: mpx.kernels.float8.compute_scale (current scaling) computes its constants with numpy "
-    "(mpx.kernels.bits.bits_of's np.errstate) while traced, which dynamo refuses",
-)
 def test_compile_fullgraph_current_scaling():
     from torch._dynamo.testing import CompileCounterWithBackend
 

@@ -49,11 +49,6 @@ def test_a_ring_row_is_written_in_place():
     assert (rows.numpy() == want_rows).all() and int(recorded) == int(want_n) == 5
 
 
-_CORE_NUMPY = pytest.mark.xfail(
-    strict=True,
-    reason="mpx.kernels.bits.bits_of/order_key_of/below and float8._round_scale compute their constants with "
-    "numpy (np.errstate, np.float32) while the kernel is traced, which dynamo refuses: a core fix",
-)
 TRACED = {
     "quantize": lambda o, x: kf.quantize(o, x, o.float32(3.0), "e5m2"),
     "abs_max_window_max": lambda o, x: kf.window_max(o, x, bits.abs_max(o, x)),
@@ -63,15 +58,11 @@ TRACED = {
     "ring": lambda o, x: kr.record(
         o, o.int32(x.reshape(2, 4)), o.int32(5), kr.row(o, o.max(x), 1, 2, 3), o.lt(0, x[0])
     ),
-    "current_compute_scale": pytest.param(
-        lambda o, x: kf.compute_scale(o, mpx.Float8Recipe(scaling="current"), bits.abs_max(o, x), "e4m3"),
-        marks=_CORE_NUMPY,
+    "current_compute_scale": lambda o, x: kf.compute_scale(
+        o, mpx.Float8Recipe(scaling="current"), bits.abs_max(o, x), "e4m3"
     ),
-    "scale_update": pytest.param(
-        lambda o, x: ks.update(
-            o, mpx.ScalerConfig(hysteresis=2), ks.initial(o, mpx.ScalerConfig()), o.lt(0, x[0])
-        ),
-        marks=_CORE_NUMPY,
+    "scale_update": lambda o, x: ks.update(
+        o, mpx.ScalerConfig(hysteresis=2), ks.initial(o, mpx.ScalerConfig()), o.lt(0, x[0])
     ),
 }
 
