@@ -32,6 +32,7 @@ from mpx.versions import missing_internal, require_version
 __all__ = [
     "OPTIMIZER_METHODS",
     "OPTIMIZER_STATE",
+    "REGISTERED_CLASS_NAMES",
     "REGISTERED_NAMES_TO_OBJS",
     "AutocastScope",
     "StatelessScope",
@@ -107,6 +108,11 @@ _global_state = _module_attribute(
 #: Keras's registry of its public names (``"keras.optimizers.LossScaleOptimizer"`` -> class).
 REGISTERED_NAMES_TO_OBJS: dict[str, Any] = _module_attribute(
     "keras", "keras.src.api_export", "REGISTERED_NAMES_TO_OBJS", "load_model's LossScaleOptimizer swap"
+)
+#: Keras's registry of the names its serialization saves for registered classes (class -> ``"package>Name"``),
+#: beside ``keras.saving.get_custom_objects()``: mpx_keras.uninstall() takes mpx's entries out of both.
+REGISTERED_CLASS_NAMES: dict[Any, str] = _module_attribute(
+    "keras", "keras.src.saving.object_registration", "GLOBAL_CUSTOM_NAMES", "mpx_keras.uninstall()"
 )
 _Functional = _module_attribute(
     "keras", "keras.src.models.functional", "Functional", "finding a functional model's output layers"

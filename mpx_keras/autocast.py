@@ -94,8 +94,9 @@ import keras
 
 import mpx
 from mpx.errors import MPXError
-from mpx.ops import OpClass, OpTable, as_op_table
+from mpx.ops import OpClass, OpTable
 from mpx_keras import _compat
+from mpx_keras._rule import Rule, active_global_rule, check_op_table
 from mpx_keras._user_code import LIBRARY_PACKAGES, MAX_TRACING_FRAMES, from_user_code
 from mpx_keras.dtype_policy import LayerChoices, choices_of
 
@@ -125,17 +126,6 @@ __all__ = [
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-
-class Rule(NamedTuple):
-    """A policy with its op table, and whether it forces float32 (a float32 scope nested in a mixed one)."""
-
-    policy: mpx.Policy
-    table: OpTable
-    forced: bool = False
-
-
-#: ``op_table`` as an OpTable (None: mpx.OP_TABLE); the core's one reading of every ``op_table=`` argument.
-check_op_table = as_op_table
 
 _LOWER_KERAS = {
     "matmul": "matmul", "dot": "matmul", "tensordot": "matmul", "einsum": "einsum",
@@ -225,7 +215,7 @@ def hold(rule: Rule | None) -> Callable[[], None]:
     """Install the dispatch while ``rule`` needs it (a lowering or forcing rule); returns its release.
 
     The release is idempotent.  The policies (``policy_scope``, ``set_global_policy``) and the
-    ``Layer.__call__`` of layers with an mpx policy call this.
+    ``call`` of layers with an mpx policy (:mod:`mpx_keras.layer_policy`) call this.
     """
     if not _needs_table(rule):
         return _no_release
@@ -347,8 +337,6 @@ def active_rule() -> Rule | None:
             return Rule(own.policy, layer.__dict__.get(LAYER_TABLE, mpx.OP_TABLE))
     if stack:
         return stack[-1][0]
-    from mpx_keras.policy import active_global_rule  # (the policies import this module)
-
     g = active_global_rule()
     if g is None or (layer is not None and layer.compute_dtype != g.policy.compute_dtype):
         return None

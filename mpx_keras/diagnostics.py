@@ -130,7 +130,7 @@ class Watch:
         self._report: NonfiniteReport | None = None
         self._traced = 0
 
-    def _record(self, kind: str, name: str, t: Any) -> None:
+    def _note(self, kind: str, name: str, t: Any) -> None:
         if _concrete(t):
             self._rows.append((kind, name, _dtype(t), _row(t)))
         else:  # a traced value cannot leave the trace
@@ -144,14 +144,14 @@ class Watch:
         if backend == "torch":
             if t.requires_grad:
                 t = t.view_as(t)  # a new node: the hook sees this layer's input gradient only
-                t.register_hook(lambda g: self._record("backward", name, g))
+                t.register_hook(lambda g: self._note("backward", name, g))
             return t
         import tensorflow as tf
 
         @tf.custom_gradient
         def identity(x: Any) -> Any:
             def grad(dy: Any) -> Any:
-                self._record("backward", name, dy)
+                self._note("backward", name, dy)
                 return dy
 
             return tf.identity(x), grad
@@ -168,7 +168,7 @@ class Watch:
             out = original(*args, **kwargs)
             for t in keras.tree.flatten(out):
                 if _floating(t):
-                    self._record("forward", name, t)
+                    self._note("forward", name, t)
             return out
 
         object.__setattr__(layer, "call", call)
@@ -201,7 +201,7 @@ class Watch:
             raise DiagnosticsError(f"grads: {len(grads)} gradients for {len(variables)} variables")
         for g, v in zip(grads, variables, strict=True):
             if g is not None:
-                self._record("gradient", getattr(v, "path", None) or v.name, ops.convert_to_tensor(g))
+                self._note("gradient", getattr(v, "path", None) or v.name, ops.convert_to_tensor(g))
 
     def report(self) -> NonfiniteReport:
         """Where non-finite values first appeared: layer outputs, then input gradients, then variable gradients.

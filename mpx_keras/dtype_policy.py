@@ -7,8 +7,8 @@ model given its policies by :func:`mpx_keras.apply_policy` would load computing
 differently: a LayerNormalization rounding through float16 again, a GELU
 computing in float16.
 
-So :func:`mpx_keras.apply_policy` gives each layer a plain ``keras.DTypePolicy``
-whose name says everything::
+So :func:`mpx_keras.apply_policy` gives each layer a dtype policy whose name
+says everything::
 
     mpx:params=float32,compute=float16,output=float32;autocast=off;model_output=float32
 
@@ -17,23 +17,14 @@ optionally its autocast choice (``on``: Keras casts floating inputs to the
 compute dtype; ``off``: they keep theirs) and the dtype its outputs are cast
 to (``output``, on the model) or cast to when they run inside another layer
 (``model_output``, on the layers producing a Sequential or functional
-model's outputs: Keras reloads those models without their own dtype).  Keras computes
-the compute and variable dtypes from the name through the parser mpx_keras
-installs (:func:`parse_name`), so loading needs ``import mpx_keras`` (or
-``mpx_tf``) first.  That parser is the one thing installed at import: it reads
-only names starting with ``mpx:`` and hands every other name to Keras's.  No
-``DTypePolicy`` subclass could carry the names instead: Keras 3.15's
-``Operation.from_config`` (keras/src/ops/operation.py:349-354) turns every
-deserialized policy that is neither a ``DTypePolicyMap`` nor quantized back into
-its name, and the layer then builds ``DTypePolicy(name)``, whose ``__init__``
-calls ``_parse_name`` (keras/src/dtype_policies/dtype_policy.py:65); files saved
-earlier hold plain ``DTypePolicy`` configs with ``mpx:`` names (docs/keras.md).
+model's outputs: Keras reloads those models without their own dtype).
 
-``keras.layers.Layer.__call__`` is wrapped only once an mpx name is in use (the
-first :func:`mpx_keras.apply_policy`, or the first ``mpx:`` name Keras parses,
-as when loading a model that has them): a layer whose policy has such a name
-takes its autocast flag from it and casts its outputs; other layers run Keras's
-``__call__`` unchanged.  Importing mpx_keras leaves ``Layer.__call__`` as it was.
+This module reads and writes the names (:func:`mpx_name`, :func:`parse_name`,
+:func:`choices_of`) and keeps a keras-hub Backbone's per-layer names in its
+saved ``DTypePolicyMap`` (:func:`keep_in_config`).  What a layer with such a
+name does when it is called, and the one thing mpx_keras installs in Keras
+(the parser that builds a :class:`~mpx_keras.layer_policy.LayerPolicy` for an
+``mpx:`` name), are :mod:`mpx_keras.layer_policy`'s.
 """
 
 from __future__ import annotations
@@ -54,10 +45,11 @@ __all__ = [
     "NAME_PREFIX",
     "cast_output",
     "choices_of",
-    "install_layer_hook",
+    "is_backbone",
     "keep_in_config",
     "mpx_name",
     "parse_name",
+    "pathless_key",
     "policy_of",
 ]
 
@@ -161,18 +153,21 @@ def policy_of(layer: keras.layers.Layer) -> keras.DTypePolicy:
 # inside, passing that dtype to each; Keras resolves a layer holding a DTypePolicyMap by ``map[layer.path]``.
 # So apply_policy gives the backbone a map of its layers' mpx policies.  Layers that are never built (no
 # weights: Dropout, Softmax) have no path: their key is their caller's path and their name without Keras's
-# numbering (``transformer_layer_0/self_attention/softmax``), resolved when they are first called.
+# numbering (``transformer_layer_0/self_attention/softmax``), resolved when their caller's `call` binds them
+# (mpx_keras.layer_policy).
 _NUMBERING = re.compile(r"_[0-9]+$")
 
 
-def _pathless_key(parent_path: str | None, layer: keras.layers.Layer) -> str | None:
+def pathless_key(parent_path: str | None, layer: keras.layers.Layer) -> str | None:
+    """The map key of a layer Keras never gives a path: its caller's path (``parent_path``; None: unknown,
+    no key) and its name without Keras's numbering."""
     if parent_path is None:
         return None
     name = _NUMBERING.sub("", layer.name)
     return f"{parent_path}/{name}" if parent_path else name
 
 
-def _saves_one_dtype(layer: keras.layers.Layer) -> bool:
+def is_backbone(layer: keras.layers.Layer) -> bool:
     """Whether ``layer`` is a keras-hub Backbone (checked only when keras_hub is imported)."""
     keras_hub = sys.modules.get("keras_hub")
     backbone = getattr(getattr(keras_hub, "models", None), "Backbone", None)
@@ -190,7 +185,7 @@ def keep_in_config(root: keras.layers.Layer) -> None:
         layer = todo.pop()
         if id(layer) not in seen:
             seen.add(id(layer))
-            backbones += [layer] if _saves_one_dtype(layer) else []
+            backbones += [layer] if is_backbone(layer) else []
             todo.extend(_compat.child_layers(layer))
     for backbone in backbones:
         entries: dict[str, keras.DTypePolicy] = {}
@@ -200,7 +195,7 @@ def keep_in_config(root: keras.layers.Layer) -> None:
         while stack:
             parent_path, layer = stack.pop()
             stack.extend((layer.path or parent_path, child) for child in _compat.child_layers(layer))
-            key = layer.path or _pathless_key(parent_path, layer)
+            key = layer.path or pathless_key(parent_path, layer)
             policy = policy_of(layer)
             if key is None or (choices_of(policy) is None and policy.quantization_mode is None):
                 continue
@@ -222,30 +217,6 @@ def keep_in_config(root: keras.layers.Layer) -> None:
             backbone.dtype_policy = policy_map
 
 
-def _current_path() -> str:
-    """The path Keras's name scopes give now (what ``Layer.path`` is set from when a layer builds)."""
-    parts: list[str] = []
-    for entry in _compat.name_scope_stack():
-        if entry.override_parent is not None:
-            parts = [p for p in entry.override_parent.split("/") if p]
-        parts.append(entry.name)
-    return "/".join(parts)
-
-
-def _resolve_pathless(layer: keras.layers.Layer, policy_map: Any) -> Any:
-    """The policy of a layer without a path holding a map.  Not built yet: its entry at the path it will
-    have (Keras resolves it by that path from its build on).  Never built (no weights): its caller's
-    entry, now set on it as its own policy (Keras cannot resolve a layer without a path)."""
-    here = _current_path()
-    if not layer.built:
-        return policy_map[f"{here}/{layer.name}" if here else layer.name]
-    key = _pathless_key(here, layer)
-    if key is None or key not in policy_map:
-        return policy_map.default_policy
-    layer.dtype_policy = policy_map[key]  # a layer without a path holds it as its own
-    return layer.dtype_policy
-
-
 def cast_output(x: Any, dtype: str) -> Any:
     """``x`` cast to ``dtype`` when it is a floating tensor (its Keras mask kept)."""
     if isinstance(x, keras.KerasTensor):
@@ -264,56 +235,3 @@ def cast_output(x: Any, dtype: str) -> Any:
             _compat.set_keras_mask(y, mask)
         return y
     return x
-
-
-def _install_parser() -> None:
-    original_parse = _compat.dtype_policy_parse_name()
-    if getattr(original_parse, "_mpx_tf", False):
-        return
-
-    def _parse_name(self: keras.DTypePolicy, name: Any) -> tuple[str, str]:
-        if isinstance(name, str) and name.startswith(NAME_PREFIX):
-            install_layer_hook()  # a layer is about to carry an mpx name
-            policy = parse_name(name).policy
-            return policy.compute_dtype, policy.param_dtype
-        return original_parse(self, name)
-
-    _parse_name._mpx_tf = True  # type: ignore[attr-defined]
-    _compat.set_dtype_policy_parse_name(_parse_name)
-
-
-def install_layer_hook() -> None:
-    """Wrap ``keras.layers.Layer.__call__`` (once) so layers with ``mpx:`` policy names follow them."""
-    original_call = keras.layers.Layer.__call__
-    if getattr(original_call, "_mpx_tf", False):
-        return
-    from mpx_keras.autocast import layer_hold  # (it imports this module)
-
-    @functools.wraps(original_call)
-    def __call__(self: keras.layers.Layer, *args: Any, **kwargs: Any) -> Any:
-        policy = self.dtype_policy
-        if isinstance(policy, keras.dtype_policies.DTypePolicyMap):  # rebuilt by a keras-hub Backbone
-            policy = policy[self.path] if self.path else _resolve_pathless(self, policy)
-        choices = choices_of(policy)
-        if choices is None:
-            return original_call(self, *args, **kwargs)
-        if choices.autocast is not None and self.autocast is not choices.autocast:
-            self.autocast = choices.autocast
-        dtype = choices.output
-        if dtype is None and choices.model_output is not None and _compat.name_scope_stack():
-            dtype = choices.model_output  # inside the model (loaded: its own dtype was not saved)
-        release = layer_hold(choices)  # the op table's dispatch, installed for the call when it lowers
-        try:
-            outputs = original_call(self, *args, **kwargs)
-        finally:
-            release()
-        if dtype is not None and "_mpx_original_call" not in self.__dict__:
-            # apply_policy's wrapper of the model's `call` casts; a loaded model has none
-            outputs = keras.tree.map_structure(lambda x: cast_output(x, dtype), outputs)
-        return outputs
-
-    __call__._mpx_tf = True  # type: ignore[attr-defined]
-    keras.layers.Layer.__call__ = __call__  # type: ignore[method-assign]
-
-
-_install_parser()

@@ -59,6 +59,7 @@ from mpx.ops import OpTable, as_op_table
 from mpx_keras import _compat
 from mpx_keras._float8_ops import contraction, fp8_contract
 from mpx_keras._float8_ops import quantize as quantize
+from mpx_keras._layers import category_of, walk
 
 __all__ = [
     "Float8Dense",
@@ -241,14 +242,12 @@ def convert(
             variables cannot be removed: create the model again), for a layer with LoRA or Keras
             quantization, and for an EinsumDense equation FP8 cannot run (:class:`mpx.Float8Error`).
     """
-    from mpx_keras.policy import _walk, category_of
-
     if not isinstance(model, keras.layers.Layer):
         raise UnsupportedTypeError(f"model: expected a Keras model or layer, got {type(model).__name__}.")
     root = mpx.get_policy(policy)
     table = as_op_table(op_table)
     plan = []
-    for path, layer in _walk(model):
+    for path, layer in walk(model):
         target = _target(layer)
         if target is None:
             continue
@@ -309,12 +308,10 @@ def float8_layers(model: keras.layers.Layer) -> Iterator[tuple[str, _Float8Layer
     Raises:
         mpx.UnsupportedTypeError: for a ``model`` that is not a Keras layer.
     """
-    from mpx_keras.policy import _walk
-
     if not isinstance(model, keras.layers.Layer):
         raise UnsupportedTypeError(f"model: expected a Keras model or layer, got {type(model).__name__}.")
 
-    for path, layer in _walk(model):
+    for path, layer in walk(model):
         if isinstance(layer, _Float8Layer):
             yield path, layer
 

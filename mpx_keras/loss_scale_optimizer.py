@@ -244,7 +244,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     #: The accumulation window's class (a backend subclass adds its own parts).
     _window_class: type[Window] = Window
 
-    def _window(self) -> Window | None:
+    def _accumulation_window(self) -> Window | None:
         """The accumulation window, or None without inner ``gradient_accumulation_steps``."""
         return self._mpx_window
 
@@ -282,7 +282,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     def _replica_apply(self, grads: list[Any], trainable_variables: Any, variables: list[Any]) -> None:
         unscaled = self._unscaled(grads, variables, self.dynamic_scale.value)
-        window = self._window()
+        window = self._accumulation_window()
 
         def apply_fn() -> None:
             self.inner_optimizer.apply(unscaled, trainable_variables)
@@ -392,7 +392,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         inner_values = optimizer_variables[len(own) : len(own) + len(inner_vars)]
         model_variables = list(_compat.optimizer_member(self, "_trainable_variables"))
         mapping = list(zip(variables, optimizer_variables, strict=True))
-        window = self._window()
+        window = self._accumulation_window()
         with _compat.StatelessScope(
             state_mapping=mapping + list(zip(model_variables, trainable_values, strict=True))
         ) as scope:

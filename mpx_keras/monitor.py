@@ -18,6 +18,7 @@ import keras
 import numpy as np
 
 from mpx.errors import UnsupportedTypeError
+from mpx_keras._layers import walk
 
 __all__ = ["LossScaleMonitor", "ModelCheck", "UnscaledFloat16Warning", "check_model"]
 
@@ -49,10 +50,8 @@ class ModelCheck:
 
 
 def _float16_layers(model: keras.layers.Layer) -> list[str]:
-    from mpx_keras.policy import _walk  # the one walk of a model's layers
-
     found = []
-    for path, layer in _walk(model):
+    for path, layer in walk(model):
         if isinstance(layer, keras.layers.InputLayer):
             continue
         policy = getattr(layer, "dtype_policy", None)

@@ -5,14 +5,16 @@ dtype) and one global default.  An mpx policy says more: its overrides keep
 normalization and softmax layers in float32 and its outputs come out in
 ``output_dtype``.  :func:`set_global_policy` and :func:`policy_scope` set the
 Keras default from an mpx policy (so new layers take the compute and param
-dtypes); :func:`apply_policy` walks a built model and gives each layer the
-policy that :meth:`mpx.Policy.for_module` picks for it.
+dtypes); :func:`apply_policy` walks a model and gives each layer the policy
+that :meth:`mpx.Policy.for_module` picks for it, as an ``mpx:`` name
+(:class:`mpx_keras.layer_policy.LayerPolicy`), and wraps each such layer's
+``call`` on the instance (:func:`mpx_keras.layer_policy.bind`).  Nothing here
+changes a Keras class.
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,11 +23,17 @@ import keras
 import mpx
 from mpx.errors import MPXError, PolicyError, UnsupportedTypeError
 from mpx_keras import _compat, _user_code
-from mpx_keras.autocast import LAYER_TABLE, Rule, check_op_table, hold, nested_rule
-from mpx_keras.dtype_policy import NAME_PREFIX, cast_output, install_layer_hook, keep_in_config, mpx_name
+from mpx_keras._layers import CATEGORY_LAYERS, NORMALIZATION_LAYERS, category_of, op_of, walk
+from mpx_keras._rule import GLOBAL, Rule, active_global_policy, active_global_rule, check_op_table
+from mpx_keras.autocast import LAYER_TABLE, hold, nested_rule
+from mpx_keras.dtype_policy import NAME_PREFIX, keep_in_config, mpx_name
+from mpx_keras.float8 import convert as float8_convert
+from mpx_keras.layer_policy import LayerPolicy, bind, clear_output
 
 __all__ = [
+    "CATEGORY_LAYERS",
     "LAYER_TABLE",
+    "NORMALIZATION_LAYERS",
     "NAME_PREFIX",
     "Rule",
     "active_global_policy",
@@ -93,11 +101,6 @@ def _warn_if_slow(policy: mpx.Policy, stacklevel: int) -> None:
 
 
 # -- the global policy ------------------------------------------------------------
-# Keras keeps its global dtype policy per thread; mpx's policy (which says more:
-# overrides, output dtype) rides along, remembered with the Keras object it set.
-_local = threading.local()
-
-
 def set_global_policy(policy: mpx.PolicySpec, *, op_table: mpx.OpTable | None = None) -> mpx.Policy:
     """Make ``policy`` Keras's global dtype policy; returns the mpx policy.
 
@@ -122,30 +125,12 @@ def _set_global(rule: Rule, stacklevel: int) -> None:
     kp = keras_dtype_policy(rule.policy)
     _warn_if_slow(rule.policy, stacklevel)
     keras.config.set_dtype_policy(kp)
-    _local.current = (rule, keras.config.dtype_policy())
+    GLOBAL.current = (rule, keras.config.dtype_policy())
     # this thread's global policy holds the op table's dispatch while it needs it (mpx_keras.autocast.hold)
-    previous_release = getattr(_local, "release", None)
-    _local.release = hold(rule)
+    previous_release = getattr(GLOBAL, "release", None)
+    GLOBAL.release = hold(rule)
     if previous_release is not None:
         previous_release()
-
-
-def active_global_rule() -> Rule | None:
-    """The op-table rule of the policy :func:`set_global_policy` (or :func:`policy_scope`) set, while
-    Keras's global policy is still the one it set; else None.
-
-    This is what :func:`mpx_keras.autocast`'s op table falls back on outside any ``autocast`` scope.
-    """
-    current = getattr(_local, "current", None)
-    if current is not None and current[1] is keras.config.dtype_policy():
-        return current[0]
-    return None
-
-
-def active_global_policy() -> mpx.Policy | None:
-    """The policy of :func:`active_global_rule`, or None."""
-    rule = active_global_rule()
-    return None if rule is None else rule.policy
 
 
 def get_global_policy() -> mpx.Policy:
@@ -182,103 +167,20 @@ def policy_scope(policy: mpx.PolicySpec, *, op_table: mpx.OpTable | None = None)
     p = mpx.get_policy(policy)  # a bad spec or table raises before anything changes
     table = check_op_table(op_table)
     previous_keras = keras.config.dtype_policy()
-    previous = getattr(_local, "current", None)
-    previous_release, _local.release = getattr(_local, "release", None), None
+    previous = getattr(GLOBAL, "current", None)
+    previous_release, GLOBAL.release = getattr(GLOBAL, "release", None), None
     try:
         _set_global(nested_rule(p, table), stacklevel=5)
         yield p
     finally:
         keras.config.set_dtype_policy(previous_keras)
-        _local.current = previous
-        release, _local.release = getattr(_local, "release", None), previous_release
+        GLOBAL.current = previous
+        release, GLOBAL.release = getattr(GLOBAL, "release", None), previous_release
         if release is not None:
             release()
 
 
 # -- per-layer policies -------------------------------------------------------------
-def _classes(*names: str) -> tuple[type, ...]:
-    return tuple(getattr(keras.layers, n) for n in names if hasattr(keras.layers, n))
-
-
-#: Per category, the Keras layer classes in it: the core's one table (:data:`mpx.CATEGORY_CLASSES`,
-#: ``"keras"``, below ``keras.layers``), resolved against this Keras.
-CATEGORY_LAYERS: dict[str, tuple[type, ...]] = mpx.resolve_categories("keras", keras.layers)
-#: Layer classes of the ``normalization`` category (those this Keras has).
-NORMALIZATION_LAYERS: tuple[type, ...] = CATEGORY_LAYERS["normalization"]
-_SOFTMAX_ACTIVATIONS = ("softmax", "log_softmax")
-
-
-def _activation_name(fn: Any) -> str | None:
-    if isinstance(fn, str):
-        return fn
-    try:
-        name = keras.activations.serialize(fn)
-    except Exception:
-        return getattr(fn, "__name__", None)
-    return name if isinstance(name, str) else getattr(fn, "__name__", None)
-
-
-def category_of(layer: keras.layers.Layer) -> str | None:
-    """The mpx category of a Keras layer: ``normalization``, ``softmax``, ``loss`` or None.
-
-    The core's two rules (:func:`mpx.category_of`): a layer (class or instance)
-    with an ``mpx_category`` attribute names its own category, for example a
-    custom layer that computes a loss; otherwise the core's class table
-    (:data:`CATEGORY_LAYERS`: the normalization layers, ``Softmax``).  One rule is
-    Keras's own, as it depends on the instance: ``Activation("softmax" |
-    "log_softmax")`` is ``softmax``.  A ``Dense(..., activation="softmax")`` is a
-    Dense layer: its softmax runs in the compute dtype; use a separate
-    ``Activation("softmax")`` layer to have mpx keep it in float32.
-
-    Raises:
-        PolicyError: for an ``mpx_category`` that is not a category.
-    """
-    category = mpx.category_of(layer, CATEGORY_LAYERS)
-    if category is None and isinstance(layer, keras.layers.Activation):
-        if _activation_name(layer.activation) in _SOFTMAX_ACTIVATIONS:
-            return "softmax"
-    return category
-
-
-#: Keras layers that compute one canonical op of the mpx op table.
-_LAYER_OPS: tuple[tuple[tuple[type, ...], str], ...] = (
-    (_classes("ReLU"), "relu"),
-    (_classes("MaxPooling1D", "MaxPooling2D", "MaxPooling3D"), "max_pool"),
-    (_classes("Reshape", "Flatten"), "reshape"),
-    (_classes("Permute"), "transpose"),
-    (_classes("Dropout", "SpatialDropout1D", "SpatialDropout2D", "SpatialDropout3D"), "dropout"),
-    (_classes("Add"), "add"),
-    (_classes("Multiply"), "mul"),
-    (_classes("Concatenate"), "cat"),
-)
-_ACTIVATION_OPS = {"relu": "relu", "gelu": "gelu"}
-
-
-def op_of(layer: keras.layers.Layer) -> str | None:
-    """The canonical op (``mpx.OP_TABLE`` name) a layer computes, where it computes just one."""
-    for classes, op in _LAYER_OPS:
-        if classes and isinstance(layer, classes):
-            return op
-    if isinstance(layer, keras.layers.Activation):
-        return _ACTIVATION_OPS.get(_activation_name(layer.activation) or "")
-    return None
-
-
-def _walk(root: keras.layers.Layer) -> Iterator[tuple[str, keras.layers.Layer]]:
-    """(dotted path, layer) for every layer under ``root``, each once, parents first."""
-    seen: set[int] = set()
-    stack: list[tuple[str, keras.layers.Layer]] = [("", root)]
-    while stack:
-        path, layer = stack.pop()
-        if id(layer) in seen:
-            continue
-        seen.add(id(layer))
-        yield path, layer
-        kids = _compat.child_layers(layer)
-        for child in reversed(kids):
-            stack.append((f"{path}.{child.name}" if path else child.name, child))
-
-
 def _own_float_variables(layer: keras.layers.Layer) -> list[Any]:
     below = {id(v) for child in _compat.child_layers(layer) for v in child.weights}
     return [
@@ -330,7 +232,6 @@ def apply_policy(
     p = get_global_policy() if policy is None else mpx.get_policy(policy)
     table = check_op_table(op_table)
     _warn_if_slow(p, 3)
-    install_layer_hook()
     outputs = {id(layer) for layer in _output_layers(model)}
     # The sublayers a library layer's own call consumes (the softmax and dropout of Keras's
     # MultiHeadAttention, the norms inside keras-hub's layers), each -> that library layer.  The library's
@@ -338,13 +239,13 @@ def apply_policy(
     # code's) leaves their autocast to Keras, and a float32 category (norm, softmax) computes in float32
     # and hands its output back in the library layer's compute dtype (#24).
     internal: dict[int, keras.layers.Layer] = {}
-    for path, layer in _walk(model):
+    for path, layer in walk(model):
         graph = isinstance(layer, keras.Sequential) or _compat.is_functional(layer)
         library = type(layer).__module__.partition(".")[0] in _user_code.LIBRARY_PACKAGES
         if id(layer) in internal or (library and not graph):
             internal.update((id(child), layer) for child in _compat.child_layers(layer))
         if layer is not model:
-            _remove_output_cast(layer)
+            clear_output(layer)  # an earlier apply_policy's model, now inside this one
         if isinstance(layer, keras.layers.InputLayer):
             continue
         if not keras.backend.is_float_dtype(layer.compute_dtype):
@@ -385,16 +286,16 @@ def apply_policy(
             output = internal[id(layer)].compute_dtype  # back in the library layer's compute dtype
             output = None if output == lp.compute_dtype else output
         model_output = p.output_dtype if id(layer) in outputs else None
-        layer.dtype_policy = keras.DTypePolicy(mpx_name(lp, autocast, output, model_output))
+        layer.dtype_policy = LayerPolicy(mpx_name(lp, autocast, output, model_output))
         if table is mpx.OP_TABLE:
             layer.__dict__.pop(LAYER_TABLE, None)
         else:  # untracked: Keras neither tracks nor saves it
             layer.__dict__[LAYER_TABLE] = table
-    from mpx_keras.float8 import convert as float8_convert  # FP8 Dense/EinsumDense where fp8= says (#26)
-
-    float8_convert(model, p, op_table=table)
+    float8_convert(model, p, op_table=table)  # FP8 Dense/EinsumDense where fp8= says (#26)
     keep_in_config(model)  # a keras-hub Backbone saves them as its DTypePolicyMap (#24)
-    _install_output_cast(model, p.output_dtype)
+    # Keras has no forward hooks: each named layer's `call` is wrapped on the instance (its class, config
+    # and saved file are untouched), the model's casting its outputs to the output dtype.
+    bind(model, output=p.output_dtype)
     for name in ("train_function", "test_function", "predict_function"):
         if getattr(model, name, None) is not None:  # traced under the old dtypes
             setattr(model, name, None)
@@ -413,47 +314,3 @@ def _output_layers(model: keras.layers.Layer) -> list[keras.layers.Layer]:
         if isinstance(operation, keras.layers.Layer):
             found.append(operation)
     return found
-
-
-# -- the output cast -------------------------------------------------------------------
-# Keras has no forward hooks; the outermost model's `call` is wrapped on the
-# instance (its class, config and saved file are untouched), as torch's
-# forward hook would be.  Applying again replaces the wrapper.
-_ORIGINAL = "_mpx_original_call"
-_ORIGINAL_SPEC = "_mpx_original_compute_output_spec"
-
-
-def _cast_output(x: Any, dtype: str) -> Any:
-    return x if isinstance(x, keras.KerasTensor) else cast_output(x, dtype)
-
-
-def _cast_spec(x: Any, dtype: str) -> Any:
-    if isinstance(x, keras.KerasTensor) and keras.backend.is_float_dtype(x.dtype) and x.dtype != dtype:
-        return keras.KerasTensor(x.shape, dtype=dtype, sparse=x.sparse, ragged=x.ragged)
-    return x
-
-
-def _remove_output_cast(layer: keras.layers.Layer) -> None:
-    if _ORIGINAL in layer.__dict__:
-        del layer.__dict__["call"]
-        del layer.__dict__[_ORIGINAL]
-        del layer.__dict__["compute_output_spec"]
-        del layer.__dict__[_ORIGINAL_SPEC]
-
-
-def _install_output_cast(model: keras.layers.Layer, dtype: str) -> None:
-    _remove_output_cast(model)
-    call, spec = model.call, model.compute_output_spec
-
-    def cast_call(*args: Any, **kwargs: Any) -> Any:
-        return keras.tree.map_structure(lambda x: _cast_output(x, dtype), call(*args, **kwargs))
-
-    def cast_spec(*args: Any, **kwargs: Any) -> Any:
-        return keras.tree.map_structure(lambda x: _cast_spec(x, dtype), spec(*args, **kwargs))
-
-    for name, fn, original in (("call", cast_call, call), ("compute_output_spec", cast_spec, spec)):
-        fn.__wrapped__ = original  # keeps inspect.signature(model.call) for Keras
-        fn.__doc__ = original.__doc__
-        model.__dict__[name] = fn
-    model.__dict__[_ORIGINAL] = call
-    model.__dict__[_ORIGINAL_SPEC] = spec

@@ -19,8 +19,9 @@ than mpx is tested with raises :class:`mpx.FrameworkVersionError` (an ImportErro
 Every Keras/TensorFlow internal mpx_tf uses is reached through :mod:`mpx_tf._compat`.
 
 What is not TensorFlow's own lives in :mod:`mpx_keras` (any Keras backend) and is
-re-exported here: the policies, ``mpx:`` dtype-policy names, :class:`LossScaleMonitor`
-and :func:`check_model`.  TensorFlow's own parts stay here: the op table's ``tf.*``
+re-exported here: the policies, ``mpx:`` dtype-policy names, :class:`LossScaleMonitor`,
+:func:`check_model`, and :func:`install`/:func:`uninstall` (what mpx installs in Keras:
+the parser of ``mpx:`` names and the registration of mpx's classes, :mod:`mpx_keras.layer_policy`).  TensorFlow's own parts stay here: the op table's ``tf.*``
 wrappers (:func:`autocast`), ``tf.distribute``, the reduce dtype in
 :class:`LossScaleOptimizer`, ``tf.summary`` history.
 """
@@ -37,6 +38,7 @@ if keras.config.backend() != "tensorflow":
         "set KERAS_BACKEND=tensorflow before keras is first imported"
     )
 
+from mpx_keras.layer_policy import install, uninstall
 from mpx_keras.monitor import LossScaleMonitor, check_model
 from mpx_tf import _compat  # noqa: F401  (the TensorFlow and Keras version check, first)
 from mpx_tf.autocast import autocast, autocast_op
@@ -68,11 +70,13 @@ __all__ = [
     "check_model",
     "op_of",
     "get_global_policy",
+    "install",
     "load_model",
     "keras_dtype_policy",
     "policy_scope",
     "set_global_policy",
     "set_reduce_dtype",
     "underflow_stats",
+    "uninstall",
     "watch",
 ]

@@ -5,7 +5,6 @@ from mpx_keras.dtype_policy import (
     LayerChoices,
     cast_output,
     choices_of,
-    install_layer_hook,
     mpx_name,
     parse_name,
 )
@@ -15,7 +14,6 @@ __all__ = [
     "NAME_PREFIX",
     "cast_output",
     "choices_of",
-    "install_layer_hook",
     "mpx_name",
     "parse_name",
 ]

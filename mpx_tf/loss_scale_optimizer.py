@@ -146,7 +146,7 @@ class LossScaleOptimizer(KerasLossScaleOptimizer):
     def _cross_replica_apply(self, distribution: Any, grads: Any, trainable_variables: Any) -> None:
         # Unscale and check on each replica, then decide once for all of them, in cross-replica
         # context as Keras does: a cond in replica context cannot hold the inner optimizer's merge_call.
-        window = self._window()
+        window = self._accumulation_window()
         unscaled, finite_per_replica = distribution.extended.call_for_each_replica(
             self._unscale_on_replica, args=(grads, trainable_variables, window is None)
         )

@@ -8,7 +8,6 @@ functions to it (:mod:`mpx_tf.autocast`).
 
 import importlib
 
-from mpx_keras import policy as _policy
 from mpx_keras.policy import (
     CATEGORY_LAYERS,
     LAYER_TABLE,
@@ -25,7 +24,6 @@ from mpx_keras.policy import (
     set_global_policy,
 )
 
-_walk = _policy._walk  # the one walk of a model's layers (tests read it here)
 importlib.import_module("mpx_tf.autocast")  # registers the tf.* functions with the op table's dispatch
 
 __all__ = [

@@ -66,7 +66,7 @@ def test_import_patches_no_keras_function(imported):
     assert imported["checked"] > (1000 if BACKEND == "tensorflow" else 300)  # every public function looked at
     # The one install at import: Keras's dtype-policy name parser learns `mpx:` names, so a saved model
     # with them loads (Operation.from_config turns a non-quantized policy back into its name and
-    # DTypePolicy.__init__ parses it: no subclass survives; see mpx_keras.dtype_policy).
+    # DTypePolicy.__init__ parses it; see mpx_keras.layer_policy).
     assert imported["changed"] == ["keras.DTypePolicy._parse_name"]
 
 
@@ -89,23 +89,23 @@ def test_import_loads_no_other_framework(imported):
         assert "tensorflow" not in imported["loaded"]
 
 
-def test_apply_policy_wraps_layer_call_only_once_an_mpx_name_is_in_use(python_on):
+def test_apply_policy_wraps_each_named_layers_call_not_layer_call(python_on):
     code = r"""
 import keras, mpx_keras
 original = keras.layers.Layer.__call__
 model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(2)])
 mpx_keras.apply_policy(model, "float32")
-print(keras.layers.Layer.__call__ is original)
+print(keras.layers.Layer.__call__ is original, "call" in vars(model.layers[0]), "call" in vars(model))
 """
     proc = python_on(code, BACKEND)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip().splitlines()[-1] == "False"
+    assert proc.stdout.strip().splitlines()[-1] == "True True True"
 
 
 def test_the_name_parser_reads_mpx_names_and_hands_every_other_name_to_keras():
     """The one install at import is bounded: only names starting with ``mpx:`` are mpx's."""
     import mpx
-    import mpx_keras  # noqa: F401
+    import mpx_keras
 
     for name, dtypes in (("mixed_float16", ("float16", "float32")), ("bfloat16", ("bfloat16", "bfloat16"))):
         policy = keras.DTypePolicy(name)
@@ -116,5 +116,7 @@ def test_the_name_parser_reads_mpx_names_and_hands_every_other_name_to_keras():
         keras.DTypePolicy(3)
     policy = keras.DTypePolicy("mpx:params=float32,compute=bfloat16,output=float32;autocast=off")
     assert (policy.compute_dtype, policy.variable_dtype) == ("bfloat16", "float32")
+    assert type(policy) is mpx_keras.layer_policy.LayerPolicy  # what Keras builds from an mpx: name
+    assert type(keras.DTypePolicy("mixed_float16")) is keras.DTypePolicy
     with pytest.raises(mpx.PolicyError, match="'autocast=maybe' is not understood"):
         keras.DTypePolicy("mpx:mixed_float16;autocast=maybe")

@@ -81,7 +81,7 @@ def test_importing_mpx_tf_and_mpx_keras_replaces_no_function(run_python):
     assert result["changed"] == []
     assert result["holds"] == 0 and result["targets"] >= 150
     # Keras's dtype-policy name parser learns `mpx:` names at import (so load_model reads them): mpx_keras's
-    # one documented install (mpx_keras.dtype_policy), not a function of the op table.
+    # one documented install (mpx_keras.layer_policy, undone by uninstall()), not a function of the op table.
     assert result["parse_replaced"] is True
 
 
@@ -146,13 +146,10 @@ class Probe(L.Layer):
 
 
 def test_a_layer_with_an_mpx_policy_holds_the_dispatch_during_its_call_only():
+    before = snapshot()  # Layer.__call__ included: apply_policy wraps the layers' `call`, per instance
     with mpx_tf.policy_scope("mixed_float16"):
         model = keras.Sequential([keras.Input((3,)), L.Dense(3), Probe()])
     mpx_tf.apply_policy(model, "mixed_float16")
-    before = snapshot()
-    before["keras.layers.Layer.__call__"] = (
-        keras.layers.Layer.__call__
-    )  # apply_policy's layer hook (mpx_keras)
     Probe.seen.clear()
     model(np.ones((2, 3), "float32"))
     assert Probe.seen["holds"] >= 1 and Probe.seen["softmax"] == "float32"

@@ -16,6 +16,7 @@ import mpx_tf
 import mpx_tf.dtype_policy
 import mpx_tf.loss_scale_optimizer
 import mpx_tf.policy
+from mpx_keras._layers import walk
 from mpx_tf.policy import category_of, keras_dtype_policy
 
 L = keras.layers
@@ -262,7 +263,7 @@ BUILDERS = {"functional": _functional, "nested-sequential": _nested_sequential, 
 
 
 def _layers_by_path(model):
-    return dict(mpx_tf.policy._walk(model))
+    return dict(walk(model))
 
 
 @pytest.mark.parametrize("kind", list(BUILDERS))

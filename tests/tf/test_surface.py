@@ -10,6 +10,7 @@ import importlib.util
 from pathlib import Path
 
 import keras
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -44,20 +45,24 @@ def test_scale_and_scale_loss_are_the_same_product():
 
 
 def test_the_surface_in_a_traced_step():
-    """get_scale() and state read what a tf.function step wrote; scale() works inside the trace."""
+    """get_scale() and state read what a tf.function step wrote; scale() and last_step_skipped() work inside
+    the trace, which a changing scale never retraces."""
     adapter = KerasAdapter()
     opt = adapter.make(mpx.ScalerConfig(init_scale=4.0, growth_interval=1))
     w = adapter.variables[id(opt)]
 
     @tf.function
-    def step():
+    def step(bad):
         with tf.GradientTape() as tape:
-            scaled = opt.scale(tf.reduce_sum(w))
+            scaled = opt.scale(tf.reduce_sum(w) * bad)
         opt.apply(tape.gradient(scaled, [w]), [w])
+        return opt.last_step_skipped()  # a tensor of the step: no host read
 
-    step()
-    step()
+    assert not bool(step(tf.constant(1.0)))
+    assert not bool(step(tf.constant(1.0)))
     assert opt.get_scale() == 16.0 and opt.state == mpx.ScalerState(16.0, 0, 0, 2, 0)
+    assert bool(step(tf.constant(np.inf)))
+    assert opt.state == mpx.ScalerState(8.0, 0, 1, 3, 1)
     assert step.experimental_get_tracing_count() == 1
 
 
