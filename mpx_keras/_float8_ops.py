@@ -128,7 +128,10 @@ def fp8_contract(
         tensors = unpack(flat[2:])
         ax, aw = bits.abs_max(_O, xv), bits.abs_max(_O, kv)
         if current:
-            sx, sw = fp8_kernels.compute_scale(_O, recipe, ax, fi), fp8_kernels.compute_scale(_O, recipe, aw, fw)
+            sx, sw = (
+                fp8_kernels.compute_scale(_O, recipe, ax, fi),
+                fp8_kernels.compute_scale(_O, recipe, aw, fw),
+            )
             used = [None, None, None]
         else:  # the scales float8_update gave at the end of the last step (see the docstring)
             used = [

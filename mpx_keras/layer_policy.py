@@ -178,22 +178,22 @@ def _wrap(layer: keras.layers.Layer) -> None:
     if choices is not None and choices.autocast is not None and layer.autocast is not choices.autocast:
         layer.autocast = choices.autocast  # before its first call: Keras's autocast scope reads it too
     previous = (layer.__dict__.get("call"), layer.__dict__.get("compute_output_spec"))
-    call = _wrapped(layer, "call", _run_call)
-    spec = _wrapped(layer, "compute_output_spec", _run_spec)
+    call = _wrapped(layer, "call", _cast_value)
+    spec = _wrapped(layer, "compute_output_spec", _cast_spec)
     layer.__dict__["call"], layer.__dict__["compute_output_spec"] = call, spec
     layer.__dict__[_BOUND] = previous
 
 
-def _wrapped(layer: keras.layers.Layer, name: str, run: Any) -> Any:
-    """The instance attribute ``name`` of ``layer``: ``run(layer, original, args, kwargs)``, the original being
-    the method of the layer's class now (an FP8 conversion changes the class) or an earlier instance one."""
+def _wrapped(layer: keras.layers.Layer, name: str, cast: Any) -> Any:
+    """The instance attribute ``name`` of ``layer``: :func:`_run` of the original, the method of the layer's
+    class now (an FP8 conversion changes the class) or an earlier instance attribute."""
     earlier = layer.__dict__.get(name)
     original = earlier if earlier is not None else getattr(type(layer), name).__get__(layer)
 
     @functools.wraps(original)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         fn = earlier if earlier is not None else getattr(type(layer), name).__get__(layer)
-        return run(layer, fn, args, kwargs)
+        return _run(layer, fn, args, kwargs, cast)
 
     return wrapper
 
@@ -213,20 +213,8 @@ def _output_dtype(layer: keras.layers.Layer, choices: LayerChoices | None) -> st
     return None
 
 
-def _run_call(layer: keras.layers.Layer, call: Any, args: tuple, kwargs: dict) -> Any:
-    choices = _choices(layer)
-    if choices is not None and choices.autocast is not None and layer.autocast is not choices.autocast:
-        layer.autocast = choices.autocast
-    release = layer_hold(choices) if choices is not None else None
-    try:
-        outputs = call(*args, **kwargs)
-    finally:
-        if release is not None:
-            release()
-    dtype = _output_dtype(layer, choices)
-    if dtype is None:
-        return outputs
-    return keras.tree.map_structure(lambda x: x if isinstance(x, keras.KerasTensor) else cast_output(x, dtype), outputs)
+def _cast_value(x: Any, dtype: str) -> Any:
+    return x if isinstance(x, keras.KerasTensor) else cast_output(x, dtype)
 
 
 def _cast_spec(x: Any, dtype: str) -> Any:
@@ -235,16 +223,20 @@ def _cast_spec(x: Any, dtype: str) -> Any:
     return x
 
 
-def _run_spec(layer: keras.layers.Layer, spec: Any, args: tuple, kwargs: dict) -> Any:
+def _run(layer: keras.layers.Layer, fn: Any, args: tuple, kwargs: dict, cast: Any) -> Any:
+    """``fn(*args, **kwargs)`` (the layer's ``call`` or ``compute_output_spec``) as the layer's name says:
+    its autocast flag set, the op table's dispatch held, the outputs cast with ``cast(x, dtype)``."""
     choices = _choices(layer)
+    if choices is not None and choices.autocast is not None and layer.autocast is not choices.autocast:
+        layer.autocast = choices.autocast
     release = layer_hold(choices) if choices is not None else None
     try:
-        outputs = spec(*args, **kwargs)
+        outputs = fn(*args, **kwargs)
     finally:
         if release is not None:
             release()
     dtype = _output_dtype(layer, choices)
-    return outputs if dtype is None else keras.tree.map_structure(lambda x: _cast_spec(x, dtype), outputs)
+    return outputs if dtype is None else keras.tree.map_structure(lambda x: cast(x, dtype), outputs)
 
 
 # -- the one install: Keras's parser of dtype-policy names -------------------------------------------

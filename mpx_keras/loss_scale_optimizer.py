@@ -426,7 +426,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         with _compat.StatelessScope(state_mapping=mapping) as scope:
             new = self._next_state(state, finite)
             if last is not None:  # the scaler moves at the window's last micro-batch only
-                new = scale_kernel.ScaleState(*(ops.where(last, n, s) for n, s in zip(new, state, strict=True)))
+                new = scale_kernel.ScaleState(
+                    *(ops.where(last, n, s) for n, s in zip(new, state, strict=True))
+                )
             for var, value in zip(self._state_variables(), new, strict=True):
                 var.assign(value)
             if self._mpx_extras.history is not None:

@@ -39,6 +39,7 @@ from mpx_tf.distributed import Window, reduce_dtype_of, set_reduce_dtype
 
 __all__ = ["LossScaleOptimizer"]
 
+
 @keras.saving.register_keras_serializable(package="mpx_tf")
 class LossScaleOptimizer(KerasLossScaleOptimizer):
     """:class:`mpx_keras.LossScaleOptimizer` with ``tf.distribute`` and the reduce dtype.

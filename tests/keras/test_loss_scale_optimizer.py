@@ -181,7 +181,9 @@ def test_counters_saturate_without_wrapping():
     opt = mpx_keras.LossScaleOptimizer(keras.optimizers.SGD(0.1), config)
     w = keras.Variable(np.ones(2, np.float32))
     opt.build([w])
-    opt.load_state_dict({**opt.state_dict(), "consecutive_nonfinite": top, "steps": top, "skipped_steps": top})
+    opt.load_state_dict(
+        {**opt.state_dict(), "consecutive_nonfinite": top, "steps": top, "skipped_steps": top}
+    )
     opt.apply([keras.ops.convert_to_tensor(np.full(2, np.inf, np.float32))], [w])
     assert opt.state == mpx.ScalerState(4.0, 0, top, top, top)
     assert bool(keras.ops.convert_to_numpy(opt.last_step_skipped()))
