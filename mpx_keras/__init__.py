@@ -16,7 +16,7 @@
 
 It imports only Keras and mpx's core (and the backend Keras runs on).  What it
 installs in Keras, at import, is one documented exception
-(:mod:`mpx_keras.layer_policy`): ``keras.DTypePolicy._parse_name`` learns
+(:mod:`mpx_keras.layer_policy`): Keras's dtype-policy name parser learns
 ``mpx:`` names (so ``keras.models.load_model`` rebuilds the layers
 :func:`apply_policy` named), and mpx's classes are registered with Keras's
 serialization; :func:`uninstall` undoes both, :func:`install` does them again.

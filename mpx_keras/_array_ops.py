@@ -94,8 +94,10 @@ class KerasOps(ArrayOps):
         return ops.cast(x, "float32")
 
     def cast(self, x: Any, dtype: str) -> Any:
-        if _is_number(x):
-            x = ops.convert_to_tensor(x)
+        if _is_number(x):  # a constant made in its dtype (a Python float would become a float32 first)
+            if dtype in _NUMPY_FP8:
+                return ops.cast(ops.convert_to_tensor(np.float32(x)), dtype)
+            return ops.convert_to_tensor(x, dtype)
         return ops.cast(x, dtype)
 
     def bitcast(self, x: Any, dtype: str) -> Any:

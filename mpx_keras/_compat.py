@@ -32,6 +32,7 @@ from mpx.versions import missing_internal, require_version
 __all__ = [
     "OPTIMIZER_METHODS",
     "OPTIMIZER_STATE",
+    "ParsingDTypePolicy",
     "REGISTERED_CLASS_NAMES",
     "REGISTERED_NAMES_TO_OBJS",
     "AutocastScope",
@@ -142,6 +143,23 @@ def set_dtype_policy_parse_name(parse: Callable[[Any, Any], tuple[str, str]]) ->
     """Install ``parse`` as ``keras.DTypePolicy._parse_name`` (after :func:`dtype_policy_parse_name`)."""
     dtype_policy_parse_name()
     keras.DTypePolicy._parse_name = parse  # type: ignore[method-assign]
+
+
+class ParsingDTypePolicy(keras.DTypePolicy):
+    """A ``keras.DTypePolicy`` that reads names Keras does not: ``keras.DTypePolicy.__init__`` computes the
+    dtypes with its private name parser, which this class hands to :meth:`parse` first (Keras's parser
+    reads every name ``parse`` returns None for)."""
+
+    def parse(self, name: Any) -> tuple[str, str] | None:
+        """``(compute dtype, variable dtype)`` of a name this class reads, else None."""
+        return None
+
+    def _parse_name(self, name: Any) -> tuple[str, str]:
+        found = self.parse(name)
+        return found if found is not None else super()._parse_name(name)
+
+
+dtype_policy_parse_name()  # checked at import: ParsingDTypePolicy and mpx_keras.install() need it
 
 
 def name_scope_stack() -> list[Any]:

@@ -59,7 +59,7 @@ from mpx.ops import OpTable, as_op_table
 from mpx_keras import _compat
 from mpx_keras._float8_ops import contraction, fp8_contract
 from mpx_keras._float8_ops import quantize as quantize
-from mpx_keras._layers import category_of, walk
+from mpx_keras._layer_kinds import category_of, walk
 
 __all__ = [
     "Float8Dense",

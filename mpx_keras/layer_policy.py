@@ -25,7 +25,8 @@ and :class:`LayerPolicy` binds the layer there (a layer holding a keras-hub
 too).  ``keras.layers.Layer`` itself is never changed.
 
 What mpx_keras installs in Keras, the one exception, is documented and undone by
-:func:`uninstall`: at import (:func:`install`), ``keras.DTypePolicy._parse_name``
+:func:`uninstall`: at import (:func:`install`), Keras's dtype-policy name parser (the
+private ``_parse_name`` of ``keras.DTypePolicy``, reached through :mod:`mpx_keras._compat`)
 learns ``mpx:`` names and makes a ``DTypePolicy`` Keras builds from one a
 :class:`LayerPolicy` (Keras 3.15's ``Operation.from_config``,
 keras/src/ops/operation.py:349-354, turns every saved policy that is neither a
@@ -67,7 +68,7 @@ _PACKAGES = ("mpx_keras>", "mpx_tf>")
 
 
 @keras.saving.register_keras_serializable(package="mpx_keras")
-class LayerPolicy(keras.DTypePolicy):
+class LayerPolicy(_compat.ParsingDTypePolicy):
     """The Keras dtype policy of an ``mpx:`` name (:mod:`mpx_keras.dtype_policy`); ``LayerPolicy(name)``.
 
     Its compute and variable dtypes are the name's policy's; ``convert_input`` casts a layer's
@@ -76,11 +77,12 @@ class LayerPolicy(keras.DTypePolicy):
     it calls a layer: there the policy binds the layer (:func:`bind`) if it holds this policy.
     """
 
-    def _parse_name(self, name: Any) -> tuple[str, str]:
+    def parse(self, name: Any) -> tuple[str, str] | None:
+        """``(compute dtype, variable dtype)`` of an ``mpx:`` name; None for any other name (Keras's)."""
         if isinstance(name, str) and name.startswith(NAME_PREFIX):
             policy = parse_name(name).policy
             return policy.compute_dtype, policy.param_dtype
-        return super()._parse_name(name)
+        return None
 
     @property
     def choices(self) -> LayerChoices | None:
@@ -244,26 +246,28 @@ _KERAS_PARSE: Any = None
 _REGISTERED: dict[str, Any] = {}
 
 
-def _parse_name(self: keras.DTypePolicy, name: Any) -> tuple[str, str]:
-    if isinstance(name, str) and name.startswith(NAME_PREFIX):
-        if type(self) in (keras.DTypePolicy, keras.dtype_policies.FloatDTypePolicy):
-            self.__class__ = LayerPolicy  # the object Keras builds from a saved mpx: name
-        return LayerPolicy._parse_name(self, name)
-    return _KERAS_PARSE(self, name)
+def _read_mpx_names(self: keras.DTypePolicy, name: Any) -> tuple[str, str]:
+    """Keras's name parser, installed: ``mpx:`` names are mpx's, every other name Keras's."""
+    found = LayerPolicy.parse(self, name)  # type: ignore[arg-type]
+    if found is None:
+        return _KERAS_PARSE(self, name)
+    if type(self) in (keras.DTypePolicy, keras.dtype_policies.FloatDTypePolicy):
+        self.__class__ = LayerPolicy  # the object Keras builds from a saved mpx: name
+    return found
 
 
 def installed() -> bool:
     """Whether Keras's dtype-policy parser reads ``mpx:`` names now (:func:`install`)."""
-    return _compat.dtype_policy_parse_name() is _parse_name
+    return _compat.dtype_policy_parse_name() is _read_mpx_names
 
 
 def install() -> None:
-    """Teach ``keras.DTypePolicy._parse_name`` the ``mpx:`` names and register mpx's classes with Keras's
+    """Teach Keras's dtype-policy name parser the ``mpx:`` names and register mpx's classes with Keras's
     serialization (done at import; again after :func:`uninstall`).  Idempotent."""
     global _KERAS_PARSE
     if not installed():
         _KERAS_PARSE = _compat.dtype_policy_parse_name()
-        _compat.set_dtype_policy_parse_name(_parse_name)
+        _compat.set_dtype_policy_parse_name(_read_mpx_names)
     objects = keras.saving.get_custom_objects()
     for name, cls in _REGISTERED.items():
         objects.setdefault(name, cls)
@@ -272,7 +276,7 @@ def install() -> None:
 
 
 def uninstall() -> None:
-    """Undo everything mpx_keras (and mpx_tf) installed in Keras: Keras's own ``DTypePolicy._parse_name``
+    """Undo everything mpx_keras (and mpx_tf) installed in Keras: Keras's own dtype-policy name parser
     back, mpx's classes out of Keras's serialization registry.  Layers keep their policies and wrappers
     (per instance); Keras can no longer build a policy from an ``mpx:`` name, nor load a file naming
     mpx's classes, until :func:`install`.

@@ -18,7 +18,7 @@ import keras
 import numpy as np
 
 from mpx.errors import UnsupportedTypeError
-from mpx_keras._layers import walk
+from mpx_keras._layer_kinds import walk
 
 __all__ = ["LossScaleMonitor", "ModelCheck", "UnscaledFloat16Warning", "check_model"]
 

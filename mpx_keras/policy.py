@@ -23,7 +23,7 @@ import keras
 import mpx
 from mpx.errors import MPXError, PolicyError, UnsupportedTypeError
 from mpx_keras import _compat, _user_code
-from mpx_keras._layers import CATEGORY_LAYERS, NORMALIZATION_LAYERS, category_of, op_of, walk
+from mpx_keras._layer_kinds import CATEGORY_LAYERS, NORMALIZATION_LAYERS, category_of, op_of, walk
 from mpx_keras._rule import GLOBAL, Rule, active_global_policy, active_global_rule, check_op_table
 from mpx_keras.autocast import LAYER_TABLE, hold, nested_rule
 from mpx_keras.dtype_policy import NAME_PREFIX, keep_in_config, mpx_name

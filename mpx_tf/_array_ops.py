@@ -85,6 +85,10 @@ class TensorFlowOps(ArrayOps):
         return tf.cast(x, tf.float32)
 
     def cast(self, x: Any, dtype: str) -> Any:
+        if _is_number(x):  # a constant made in its dtype (tf.cast would make a Python float a float32 first)
+            if dtype.startswith("float8"):
+                return tf.cast(tf.constant(np.float32(x)), _DTYPES[dtype])
+            return tf.constant(x, _DTYPES[dtype])
         return tf.cast(x, _DTYPES[dtype])
 
     def bitcast(self, x: Any, dtype: str) -> Any:

@@ -16,7 +16,7 @@ import mpx_tf
 import mpx_tf.dtype_policy
 import mpx_tf.loss_scale_optimizer
 import mpx_tf.policy
-from mpx_keras._layers import walk
+from mpx_keras._layer_kinds import walk
 from mpx_tf.policy import category_of, keras_dtype_policy
 
 L = keras.layers
