@@ -451,6 +451,130 @@ def test_overflow_only_after_unscaling_skips_the_step():
 _HISTORY = st.lists(st.booleans(), min_size=1, max_size=30)
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.floats(2.0**-126, 3.4e38).map(lambda x: float(np.float32(x))).filter(lambda x: x >= 2.0**-126),
+    st.one_of(st.floats(1.0, 2.0**32, exclude_min=True), st.sampled_from([1.1, 1.333333412806193, 3.0])),
+    st.one_of(st.floats(2.0**-32, 1.0, exclude_max=True), st.sampled_from([0.9, 0.8, 0.3])),
+    st.integers(1, 3),
+    st.sampled_from([None, 2.0**-126, 0.5]),
+    _HISTORY,
+)
+def test_device_scale_matches_core_for_random_factor_histories(init, gf, bf, interval, lo, flags):
+    # item 9: the float64 product of torch's kernel, bit for bit, on TF's device ops
+    lo = None if lo is not None and init < lo else lo
+    config = mpx.ScalerConfig(
+        init_scale=init, growth_factor=gf, backoff_factor=bf, growth_interval=interval,
+        min_scale=lo, max_scale=None,
+    )  # fmt: skip
+    opt = mpx_tf.LossScaleOptimizer(keras.optimizers.SGD(0.1), config)
+    for finite, expected in zip(flags, reference_trace(config, flags), strict=True):
+        opt._transition(tf.constant(finite))
+        assert _same_state(opt.state, expected), (opt.state, expected)
+
+
+def test_issue_example_and_double_rounding_case():
+    for config, flags, want in (
+        (mpx.ScalerConfig(init_scale=3.0, backoff_factor=0.9, min_scale=None), [False], 2.700000047683716),
+        (mpx.ScalerConfig(init_scale=3.0, growth_factor=1.333333412806193, growth_interval=1), [True], 4.0),
+    ):
+        opt = mpx_tf.LossScaleOptimizer(keras.optimizers.SGD(0.1), config)
+        for finite in flags:
+            opt._transition(tf.constant(finite))
+        assert opt.get_scale() == want
+
+
+def _snapshot(opt):
+    return opt.state, opt.config
+
+
+@pytest.mark.parametrize(
+    "tamper",
+    [
+        lambda d: d.update(steps=2**64),  # item 2
+        lambda d: d.update(scale=10**400),  # item 3
+        lambda d: d["config"].update(growth_interval=2**70),  # item 4
+        lambda d: d["config"].update(growth_factor=3.5e38),
+        lambda d: d.update(growth_tracker=1, consecutive_nonfinite=1, steps=4, skipped_steps=1),  # item 6
+        lambda d: d.update(growth_tracker=2, steps=1),
+        lambda d: d.update(consecutive_nonfinite=2, skipped_steps=1, steps=4),
+        lambda d: d.update(scale=0.125),  # a valid config (min_scale 1) with a state off its bounds
+    ],
+)
+def test_rejected_loads_change_nothing(tamper):
+    data = mpx.LossScaler(mpx.ScalerConfig(init_scale=8.0, growth_interval=5)).state_dict()
+    data["config"]["hysteresis"] = 3
+    tamper(data)
+    opt = mpx_tf.LossScaleOptimizer(keras.optimizers.SGD(), mpx.ScalerConfig(init_scale=4.0))
+    before = _snapshot(opt)
+    with pytest.raises(mpx.StateDictError):
+        opt.load_state_dict(data)
+    assert _snapshot(opt) == before
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        mpx.ScalerConfig(growth_factor=2.0**32, backoff_factor=2.0**-32, growth_interval=1, min_scale=None,
+                         max_scale=None),
+        mpx.ScalerConfig(growth_interval=2**31 - 1, hysteresis=2**31 - 1),
+    ],
+)  # fmt: skip
+def test_extreme_accepted_configs_run(config):
+    # item 4: what the core accepts, the backend runs
+    flags = [True, False, True, True, False]
+    opt = mpx_tf.LossScaleOptimizer(keras.optimizers.SGD(), config)
+    var = keras.Variable(np.ones(3, np.float32))
+    step = _make_step(opt, var)
+    for event, expected in zip([0, 1, 0, 0, 2], reference_trace(config, flags), strict=True):
+        step(tf.constant(event))
+        assert _same_state(opt.state, expected)
+
+
+def test_counters_saturate_and_the_largest_load():
+    m = mpx.COUNTER_MAX
+    config = mpx.ScalerConfig(kind="static", init_scale=2.0)
+    state = mpx.ScalerState(2.0, 0, m - 1, m - 1, m - 1)
+    opt = mpx_tf.LossScaleOptimizer(keras.optimizers.SGD())
+    opt.load_state_dict(mpx.state_dict(config, state))
+    for _ in range(2):
+        opt._transition(tf.constant(False))
+        state = mpx.scaler_update(config, state, False)
+        assert opt.state == state
+    assert state.steps == m
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.floats(2.0**-126, 3.4e38).map(lambda x: float(np.float32(x))).filter(lambda x: x >= 2.0**-126),
+    st.one_of(
+        st.floats(1.0, 2.0**32, exclude_min=True), st.sampled_from([1.1, 1.0000001, 1.333333412806193])
+    ),
+    st.one_of(st.floats(2.0**-32, 1.0, exclude_max=True), st.sampled_from([0.9, 0.8, 0.3])),
+    st.sampled_from([None, 2.0**-126, 0.5]),
+    st.sampled_from([None, 1e38]),
+)
+def test_both_tables_grow_and_back_off_as_the_core(init, gf, bf, lo, hi):
+    """The core's transition with keras.ops' table (what Keras on any backend runs) and with TensorFlow's
+    (what mpx_tf's optimizer runs) gives the core's growth and backoff, bit for bit, for factors a float32
+    cannot hold too (their float64 product needs the factor made a float64 constant, not a float32)."""
+    from mpx.kernels import scale as kernel
+    from mpx_keras._array_ops import KERAS_ARRAY_OPS
+    from mpx_tf._array_ops import TF_ARRAY_OPS
+
+    lo = None if lo is not None and init < lo else lo
+    hi = None if hi is not None and init > hi else hi
+    config = mpx.ScalerConfig(
+        init_scale=init, growth_factor=gf, backoff_factor=bf, growth_interval=1, min_scale=lo, max_scale=hi
+    )
+    state = mpx.scaler_init(config)
+    for o in (KERAS_ARRAY_OPS, TF_ARRAY_OPS):
+        for finite in (True, False):
+            got = kernel.update(o, config, kernel.initial(o, config), tf.constant(finite)).scale
+            want = mpx.scaler_update(config, state, finite).scale
+            assert np.float32(got.numpy()).tobytes() == np.float32(want).tobytes(), (o, finite)
+
+
 def test_variables_saved_when_the_counters_were_int64_still_load():
     """Files saved before mpx_tf's counters became int32 (mpx_keras's, on every backend) load their values."""
     opt = mpx_tf.LossScaleOptimizer(keras.optimizers.SGD(0.1))
