@@ -464,7 +464,3 @@ def load_state_dict(data: Mapping[str, Any]) -> tuple[Float8Recipe, Float8State]
         )
         tensors[name] = TensorScale(entry["role"], scale, values)
     return recipe, Float8State(tensors)
-
-
-float8_state_dict = state_dict  # TRANSITIONAL (#30): removed once the backends use state_dict
-load_float8_state_dict = load_state_dict  # TRANSITIONAL (#30)

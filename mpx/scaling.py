@@ -457,6 +457,3 @@ def load_state_dict(data: Mapping[str, Any]) -> tuple[ScalerConfig, ScalerState]
     if not config.skip_nonfinite and state.skipped_steps:
         raise err("skipped_steps: this config never skips, but the state counts skipped steps")
     return config, state
-
-
-from mpx._transition import INF_BITS, product_bits, scale_product  # noqa: E402, F401  TRANSITIONAL (#30)

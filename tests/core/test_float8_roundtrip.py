@@ -52,9 +52,9 @@ class Net(torch.nn.Module):
 model = float8.convert(Net(), POLICY)
 if state_in is not None:
     float8.load_float8_state_dict(model, state_in)
-for path, module in float8.float8_modules(model):
+for path, module in float8.float8_layers(model):
     module.fp8_amax.copy_(torch.tensor([AMAXES[f"{path}.{r}"] for r in ("input", "weight", "grad")]))
-float8.commit(model)
+float8.commit_float8(model)
 json.dump(float8.float8_state_dict(model), open(OUT, "w"))
 """
 )
@@ -74,9 +74,12 @@ class Net(nnx.Module):
 model = Net(nnx.Rngs(0))
 if state_in is not None:
     load_float8_state_dict(model, state_in)
-r, state = f8.load_float8_state_dict(float8_state_dict(model))
-state = f8.float8_update(r, state, AMAXES)
-load_float8_state_dict(model, f8.float8_state_dict(r, state))
+import jax.numpy as jnp
+r, host = mpx.float8.load_state_dict(float8_state_dict(model))
+state = mpx.float8.Float8State({name: mpx.float8.TensorScale(ts.role, jnp.float32(ts.scale),
+                                jnp.asarray(ts.amax_history, jnp.float32)) for name, ts in host.tensors.items()})
+state = f8.float8_update(r, state, AMAXES)  # JAX arrays, the kernels with JAX's table
+load_float8_state_dict(model, mpx.float8.state_dict(r, state))
 json.dump(float8_state_dict(model), open(OUT, "w"))
 """
 )
@@ -85,16 +88,19 @@ KERAS = (
     PRELUDE
     + """
 import keras, mpx_keras
-from mpx_keras import _float8_ops, float8
+from mpx.kernels import float8 as kf
+from mpx_keras import float8
+from mpx_keras._array_ops import KERAS_ARRAY_OPS
 with mpx_keras.policy_scope(POLICY):
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(6, name="fc1"), keras.layers.Dense(3, name="fc2")])
 mpx_keras.apply_policy(model, POLICY)
 if state_in is not None:
     float8.load_float8_state_dict(model, state_in)
 sd = float8.float8_state_dict(model)
-for name, ts in sd["tensors"].items():  # one step of the Keras layers' update (keras.ops), per tensor
+for name, ts in sd["tensors"].items():  # one step of the update with the keras.ops table, per tensor
     recipe = model.layers[0].fp8_recipe
-    s, h = _float8_ops.update(recipe, ts["role"], ts["scale"], keras.ops.convert_to_tensor(ts["amax_history"], "float32"), AMAXES[name])
+    history = keras.ops.convert_to_tensor(ts["amax_history"], "float32")
+    s, h = kf.update_tensor(KERAS_ARRAY_OPS, recipe, ts["role"], ts["scale"], history, AMAXES[name])
     ts["scale"] = float(keras.ops.convert_to_numpy(s))
     ts["amax_history"] = [float(v) for v in keras.ops.convert_to_numpy(h)]
 float8.load_float8_state_dict(model, sd)
@@ -145,8 +151,8 @@ def test_float8_checkpoint_torch_jax_keras_and_back(tmp_path):
         out = tmp_path / f"{i}_{framework}.json"
         got = _run(framework, previous, out, amaxes)
         reference = core.float8_update(recipe, reference, amaxes)
-        assert got == core.float8_state_dict(recipe, reference), f"step {i} ({framework})"
+        assert got == core.state_dict(recipe, reference), f"step {i} ({framework})"
         previous = out
     final = json.loads(previous.read_text())
     assert final["tensors"]["fc1.grad"]["amax_history"] == [9.0, 7.0, 3e4, 1e4]  # step 2's inf not recorded
-    assert core.load_float8_state_dict(final)[1] == reference
+    assert core.load_state_dict(final)[1] == reference
