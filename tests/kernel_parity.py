@@ -86,8 +86,9 @@ def scaler_configs(draw: Any) -> mpx.ScalerConfig:
     return mpx.ScalerConfig(
         kind=kind,
         init_scale=init,
-        growth_factor=draw(st.sampled_from([2.0, 1.5, 2.0**32, 1.333333412806193])),
-        backoff_factor=draw(st.sampled_from([0.5, 0.9, 2.0**-32, 0.3])),
+        # factors a float32 cannot hold (1.0000001, 1.1, 0.9, 0.3) act as their float64 values
+        growth_factor=draw(st.sampled_from([2.0, 1.5, 2.0**32, 1.333333412806193, 1.0000001, 1.1])),
+        backoff_factor=draw(st.sampled_from([0.5, 0.9, 2.0**-32, 0.3, 0.7])),
         growth_interval=draw(st.integers(1, 4)),
         min_scale=lo,
         max_scale=hi,
@@ -120,17 +121,38 @@ def assert_same_bits(got: Any, want: Any, what: str) -> None:
     )
 
 
-def _run(o: ArrayOps, fn: Callable[..., Any], inputs: tuple[Any, ...]) -> list[np.ndarray]:
-    args = [o.from_numpy(np.asarray(x)) if isinstance(x, (np.ndarray, np.generic)) else x for x in inputs]
-    out = fn(o, *args)
+def _run(
+    o: ArrayOps, fn: Callable[..., Any], inputs: tuple[Any, ...], compile_with: Callable[..., Any] | None = None
+) -> list[np.ndarray]:
+    arrays = [i for i, x in enumerate(inputs) if isinstance(x, (np.ndarray, np.generic))]
+    args = list(inputs)
+    for i in arrays:
+        args[i] = o.from_numpy(np.asarray(inputs[i]))
+    if compile_with is None:
+        out = fn(o, *args)
+    else:  # one compiled function of the array inputs (everything else is static, as a config is)
+
+        def inner(*traced: Any) -> Any:
+            full = list(args)
+            for i, a in zip(arrays, traced, strict=True):
+                full[i] = a
+            return fn(o, *full)
+
+        out = compile_with(inner)(*(args[i] for i in arrays))
     outs = out if isinstance(out, tuple) else (out,)
     return [o.to_numpy(x) for x in outs]
 
 
-def check(o: ArrayOps, name: str, fn: Callable[..., Any], *inputs: Any) -> None:
-    """Run ``fn(ops, *inputs)`` with ``o`` and with numpy; every output's bits must agree."""
+def check(
+    o: ArrayOps, name: str, fn: Callable[..., Any], *inputs: Any, compile_with: Callable[..., Any] | None = None
+) -> None:
+    """Run ``fn(ops, *inputs)`` with ``o`` and with numpy; every output's bits must agree.
+
+    ``compile_with``: None to run eagerly, or the backend's compiler (``jax.jit``, ``tf.function``...):
+    then ``o``'s run is one compiled function of the array inputs.
+    """
     want = _run(NUMPY_OPS, fn, inputs)
-    got = _run(o, fn, inputs)
+    got = _run(o, fn, inputs, compile_with)
     assert len(got) == len(want)
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         assert_same_bits(g, w, f"{name} ({o!r}) output {i} for inputs {inputs!r}")
@@ -241,14 +263,26 @@ KERNELS: dict[str, tuple[Any, Callable[..., Any]]] = {
 }
 
 
-def make_tests(make_ops: Callable[[], ArrayOps], max_examples: int = 60) -> dict[str, Callable[..., None]]:
-    """``{test_kernel_parity_<name>: test}`` for every kernel: the backend's table against numpy.
+def make_tests(
+    make_ops: Callable[[], ArrayOps],
+    max_examples: int = 60,
+    *,
+    compile_with: Callable[..., Any] | None = None,
+    suffix: str = "",
+    kernels: tuple[str, ...] | None = None,
+) -> dict[str, Callable[..., None]]:
+    """``{test_kernel_parity_<name><suffix>: test}`` for every kernel (or those named in ``kernels``):
+    the backend's table against numpy.
 
     ``make_ops`` is called once per test run (lazily, so collecting imports nothing heavy).
+    ``compile_with``: run the backend's side as one compiled function (see :func:`check`); give the
+    tests a ``suffix`` then (``"_under_jit"``), so they sit beside the eager ones.
     """
     tests: dict[str, Callable[..., None]] = {}
     for name, (strategy, fn) in KERNELS.items():
-        test = _parity_test(make_ops, name, fn)
+        if kernels is not None and name not in kernels:
+            continue
+        test = _parity_test(make_ops, name, fn, compile_with, suffix)
         test = settings(
             max_examples=max_examples, deadline=None, suppress_health_check=[HealthCheck.too_slow]
         )(given(strategy)(test))
@@ -256,9 +290,15 @@ def make_tests(make_ops: Callable[[], ArrayOps], max_examples: int = 60) -> dict
     return tests
 
 
-def _parity_test(make_ops: Callable[[], ArrayOps], name: str, fn: Callable[..., Any]) -> Callable[..., None]:
+def _parity_test(
+    make_ops: Callable[[], ArrayOps],
+    name: str,
+    fn: Callable[..., Any],
+    compile_with: Callable[..., Any] | None,
+    suffix: str,
+) -> Callable[..., None]:
     def test(inputs: tuple[Any, ...]) -> None:
-        check(make_ops(), name, fn, *inputs)
+        check(make_ops(), name, fn, *inputs, compile_with=compile_with)
 
-    test.__name__ = test.__qualname__ = f"test_kernel_parity_{name}"
+    test.__name__ = test.__qualname__ = f"test_kernel_parity_{name}{suffix}"
     return test

@@ -9,16 +9,12 @@ format, recipe and scaler config), shared by every backend; the table's flags ar
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import keras
 import kernel_parity
 import numpy as np
-import pytest
-from hypothesis import HealthCheck, given, settings
 
-from mpx.kernels import ArrayOps
 from mpx_keras._array_ops import KERAS_ARRAY_OPS, KerasOps
 
 BACKEND = keras.config.backend()
@@ -27,44 +23,20 @@ OPS = KERAS_ARRAY_OPS
 globals().update(kernel_parity.make_tests(lambda: OPS))
 
 
-def _compiled(fn: Callable[..., Any]) -> Callable[[ArrayOps], Any]:
-    """``fn(ops, *args)`` run as one compiled function of ``args``' tensors (the rest static)."""
+def _compiler() -> Any:
+    """The compiler of Keras's backend for the compiled variant: tf.function or jax.jit (torch runs eagerly:
+    one torch.compile takes about 14 s, too slow to repeat for hypothesis)."""
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
 
-    def run(o: ArrayOps, *args: Any) -> Any:
-        traced = [i for i, a in enumerate(args) if keras.ops.is_tensor(a)]
+        return tf.function
+    import jax
 
-        def inner(*tensors: Any) -> Any:
-            full = list(args)
-            for i, t in zip(traced, tensors, strict=True):
-                full[i] = t
-            return fn(o, *full)
-
-        if BACKEND == "tensorflow":
-            import tensorflow as tf
-
-            compiled = tf.function(inner)
-        else:
-            import jax
-
-            compiled = jax.jit(inner)
-        return compiled(*(args[i] for i in traced))
-
-    return run
+    return jax.jit
 
 
-def _compiled_test(name: str, strategy: Any, fn: Callable[..., Any]) -> Any:
-    @pytest.mark.skipif(BACKEND == "torch", reason="torch runs the table eagerly (no compiled variant here)")
-    def test(inputs: tuple[Any, ...]) -> None:
-        kernel_parity.check(OPS, name, _compiled(fn), *inputs)
-
-    test.__name__ = f"test_kernel_parity_{name}_compiled"
-    return settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])(
-        given(strategy)(test)
-    )
-
-
-for _name, (_strategy, _fn) in kernel_parity.KERNELS.items():
-    globals()[f"test_kernel_parity_{_name}_compiled"] = _compiled_test(_name, _strategy, _fn)
+if BACKEND != "torch":
+    globals().update(kernel_parity.make_tests(lambda: OPS, 25, compile_with=_compiler(), suffix="_compiled"))
 
 
 def test_the_flags_are_the_backends_arithmetic():

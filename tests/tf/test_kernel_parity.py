@@ -7,49 +7,16 @@ format, recipe and scaler config), shared by every backend; the table's flags ar
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import kernel_parity
 import numpy as np
 import tensorflow as tf
-from hypothesis import HealthCheck, given, settings
 
-from mpx.kernels import ArrayOps
 from mpx_tf._array_ops import TF_ARRAY_OPS as OPS
 
 globals().update(kernel_parity.make_tests(lambda: OPS))
 
 
-def _in_tf_function(fn: Callable[..., Any]) -> Callable[[ArrayOps], Any]:
-    """``fn(ops, *args)`` run as one ``tf.function`` whose arguments are ``args``' tensors (the rest static)."""
-
-    def run(o: ArrayOps, *args: Any) -> Any:
-        traced = [i for i, a in enumerate(args) if tf.is_tensor(a)]
-
-        def inner(*tensors: Any) -> Any:
-            full = list(args)
-            for i, t in zip(traced, tensors, strict=True):
-                full[i] = t
-            return fn(o, *full)
-
-        return tf.function(inner)(*(args[i] for i in traced))
-
-    return run
-
-
-def _traced_test(name: str, strategy: Any, fn: Callable[..., Any]) -> Any:
-    def test(inputs: tuple[Any, ...]) -> None:
-        kernel_parity.check(OPS, name, _in_tf_function(fn), *inputs)
-
-    test.__name__ = f"test_kernel_parity_{name}_in_tf_function"
-    return settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])(
-        given(strategy)(test)
-    )
-
-
-for _name, (_strategy, _fn) in kernel_parity.KERNELS.items():
-    globals()[f"test_kernel_parity_{_name}_in_tf_function"] = _traced_test(_name, _strategy, _fn)
+globals().update(kernel_parity.make_tests(lambda: OPS, 25, compile_with=tf.function, suffix="_in_tf_function"))
 
 
 def test_the_flags_are_tensorflows_arithmetic():
