@@ -50,6 +50,7 @@ from mpx.policy_spec import (
     dtype,
     parse,
 )
+from mpx.update_policy import UPDATE_PRESETS, check_fields, update_text
 
 __all__ = [
     "CATEGORIES",
@@ -57,6 +58,7 @@ __all__ = [
     "FP8_PRESETS",
     "PRESETS",
     "PRESET_ALIASES",
+    "MEMORY_PRESETS",
     "Override",
     "Policy",
     "PolicySpec",
@@ -87,6 +89,13 @@ class Override:
         if self.policy.overrides:
             raise PolicyError(
                 f"override {self.selector!r}: an override's policy cannot have overrides of its own"
+            )
+        if update_text(
+            self.policy.param_dtype, self.policy.master_dtype, self.policy.update, self.policy.opt_state
+        ):
+            raise PolicyError(
+                f"override {self.selector!r}: master, update and opt_state are whole-model keys (the "
+                "optimizer's); an override's policy keeps their defaults"
             )
 
     @property
@@ -123,6 +132,14 @@ class Policy:
             for none.  Allowed with a float32, bfloat16 or float16 compute dtype
             (an FP8 GEMM returns the compute dtype); not with float64.  The
             float32 rules of ``keep_fp32`` (norms, softmax, losses) never use FP8.
+        master_dtype: keyword only; the dtype of the weights the optimizer updates:
+            ``None`` (the default) the param dtype, or ``"float32"`` over narrower params
+            (:mod:`mpx.update_policy`).
+        update: keyword only; ``"plain"`` (the default), ``"kahan"`` or ``"stochastic"``:
+            how a float32 update reaches a bfloat16 master (the last two need
+            ``master_dtype="bfloat16"``).
+        opt_state: keyword only; the optimizer state's storage between steps:
+            ``"float32"`` (the default), ``"bfloat16"`` or ``"int8:BLOCK"``.
 
     Dtypes accept every alias (``"bf16"``, ``"half"``, numpy dtypes...) and are
     stored under their canonical names.
@@ -135,6 +152,9 @@ class Policy:
     overrides: tuple[Override, ...] = ()
     reduce_dtype: str | None = dataclasses.field(default=None, kw_only=True)
     fp8: Float8Recipe | None = dataclasses.field(default=None, kw_only=True)
+    master_dtype: str | None = dataclasses.field(default=None, kw_only=True)
+    update: str = dataclasses.field(default="plain", kw_only=True)
+    opt_state: str = dataclasses.field(default="float32", kw_only=True)
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -143,9 +163,7 @@ class Policy:
         set_(self, "output_dtype", dtype(self.output_dtype, "output"))
         reduce = self.param_dtype if self.reduce_dtype is None else dtype(self.reduce_dtype, "reduce")
         set_(self, "reduce_dtype", reduce)
-        keep = (
-            default_keep_fp32(self.compute_dtype) if self.keep_fp32 is None else categories(self.keep_fp32)
-        )
+        keep = default_keep_fp32(self.compute_dtype) if self.keep_fp32 is None else categories(self.keep_fp32)
         set_(self, "keep_fp32", keep)
         if isinstance(self.overrides, (str, Mapping)):
             raise PolicyError("overrides: expected a sequence of Override rules or (selector, spec) pairs")
@@ -161,6 +179,13 @@ class Policy:
                     "fp8: FP8 GEMMs need a compute dtype of float32, bfloat16 or float16 "
                     "(the GEMM returns the compute dtype), got float64"
                 )
+        memory = check_fields(self.param_dtype, self.master_dtype, self.update, self.opt_state)
+        for field, value in zip(("master_dtype", "update", "opt_state"), memory, strict=True):
+            set_(self, field, value)
+
+    @property
+    def _memory_default(self) -> bool:
+        return not update_text(self.param_dtype, self.master_dtype, self.update, self.opt_state)
 
     # -- derived, read-only ---------------------------------------------------
     @property
@@ -172,9 +197,10 @@ class Policy:
                 and not self.overrides
                 and self.reduce_dtype == self.param_dtype
                 and self.fp8 is None
+                and self._memory_default
             ):
                 return name
-        for name, policy in FP8_PRESETS.items():
+        for name, policy in (FP8_PRESETS | MEMORY_PRESETS).items():
             if self == policy:
                 return name
         return None
@@ -245,6 +271,18 @@ class Policy:
             "keep_fp32": list(self.keep_fp32),
             "overrides": [{"selector": r.selector, "policy": r.policy.to_dict()} for r in self.overrides],
             "fp8": None if self.fp8 is None else self.fp8.to_dict(),
+        } | self._memory_dict()
+
+    def _memory_dict(self) -> dict[str, str]:
+        """The memory fields that differ from the defaults (a default policy's dict is as before them)."""
+        return {
+            k: v
+            for k, v, default in (
+                ("master_dtype", self.master_dtype, self.param_dtype),
+                ("update", self.update, "plain"),
+                ("opt_state", self.opt_state, "float32"),
+            )
+            if v != default
         }
 
     @classmethod
@@ -253,7 +291,16 @@ class Policy:
         if not isinstance(data, Mapping):
             raise PolicyError(f"policy dict: expected a mapping, got {type(data).__name__}")
         required = ("param_dtype", "compute_dtype", "output_dtype")
-        allowed = (*required, "reduce_dtype", "keep_fp32", "overrides", "fp8")
+        allowed = (
+            *required,
+            "reduce_dtype",
+            "keep_fp32",
+            "overrides",
+            "fp8",
+            "master_dtype",
+            "update",
+            "opt_state",
+        )
         for key in data:
             if key not in allowed:
                 raise PolicyError(f"policy dict: unknown key {key!r}; allowed: {', '.join(allowed)}")
@@ -292,6 +339,9 @@ class Policy:
             overrides=tuple(rules),
             reduce_dtype=data.get("reduce_dtype"),
             fp8=recipe,
+            master_dtype=data.get("master_dtype"),
+            update=data.get("update", "plain"),
+            opt_state=data.get("opt_state", "float32"),
         )
 
     def __str__(self) -> str:
@@ -302,6 +352,7 @@ class Policy:
             text += ",keep_fp32=" + ("+".join(self.keep_fp32) or "none")
         if self.fp8 is not None:
             text += _fp8_text(self.fp8)
+        text += update_text(self.param_dtype, self.master_dtype, self.update, self.opt_state)
         for rule in self.overrides:
             text += f",@{rule.selector}={{{rule.policy}}}"
         return text
@@ -318,6 +369,11 @@ PRESETS: dict[str, Policy] = {name: Policy(*dts) for name, dts in PRESET_DTYPES.
 FP8_PRESETS: dict[str, Policy] = {
     name: dataclasses.replace(PRESETS[base], fp8=recipe)
     for name, (base, recipe) in FP8_PRESET_RECIPES.items()
+}
+#: The memory preset policies by name (see :data:`mpx.update_policy.UPDATE_PRESETS`): ``bf16_kahan``,
+#: ``bf16_sr``, ``mixed_bfloat16_8bit_adam``.
+MEMORY_PRESETS: dict[str, Policy] = {
+    name: dataclasses.replace(PRESETS[base], **fields) for name, (base, fields) in UPDATE_PRESETS.items()
 }
 
 
@@ -364,6 +420,11 @@ def get_policy(spec: PolicySpec) -> Policy:
     (no preset and none of params, compute, output, reduce) starts from its
     parent policy and changes only the keys it names: ``@head={fp8=none}``.
 
+    Memory keys (:mod:`mpx.update_policy`; whole-model, not in an override): ``master=DTYPE``
+    (the optimizer's weights: the params or a float32 copy), ``update=plain|kahan|stochastic``
+    (kahan and stochastic need ``master=bfloat16``), ``opt_state=float32|bfloat16|int8:BLOCK``;
+    the presets ``bf16_kahan``, ``bf16_sr`` and ``mixed_bfloat16_8bit_adam``.
+
     Raises:
         PolicyError: naming the bad token and what is allowed.
 
@@ -383,7 +444,7 @@ def get_policy(spec: PolicySpec) -> Policy:
     if isinstance(spec, str):
         name = spec.strip()
         name = PRESET_ALIASES.get(name, name)
-        preset = PRESETS.get(name) or FP8_PRESETS.get(name)
+        preset = PRESETS.get(name) or FP8_PRESETS.get(name) or MEMORY_PRESETS.get(name)
         return preset if preset is not None else Policy.from_dict(parse(spec))
     if isinstance(spec, Mapping):
         return Policy.from_dict(spec)

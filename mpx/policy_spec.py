@@ -21,6 +21,7 @@ from typing import Any
 from mpx.dtypes import FLOATING_DTYPES, HALF_DTYPES, canonical_dtype
 from mpx.errors import DTypeError, PolicyError
 from mpx.float8 import Float8Recipe
+from mpx.update_policy import UPDATE_KEYS, UPDATE_PRESETS, check_fields
 
 __all__ = [
     "CATEGORIES",
@@ -150,7 +151,7 @@ def _policy_dict(params: str, compute: str, output: str, **fields: Any) -> dict[
         "keep_fp32": fields.get("keep_fp32"),
         "overrides": fields.get("overrides", []),
         "fp8": fields.get("fp8"),
-    }
+    } | {field: fields[field] for field in _UPDATE_FIELDS if fields.get(field) is not None}
 
 
 _FP8_ALLOWED = {
@@ -172,10 +173,12 @@ _KEYS: dict[str, str] = {
     "reduce": "reduce",
     "keep_fp32": "keep_fp32",
     **{key: key for key in FP8_KEYS},
+    **{key: key for key in UPDATE_KEYS},
 }
 _GRAMMAR = (
     "params=DTYPE,compute=DTYPE,output=DTYPE[,reduce=DTYPE][,keep_fp32=CATS][,fp8=hybrid|e4m3|none]"
-    "[,fp8_scaling=..,fp8_history=..,fp8_amax=..,fp8_margin=..,fp8_pow2=..][,@SELECTOR={SPEC}]"
+    "[,fp8_scaling=..,fp8_history=..,fp8_amax=..,fp8_margin=..,fp8_pow2=..]"
+    "[,master=DTYPE][,update=plain|kahan|stochastic][,opt_state=float32|bfloat16|int8:BLOCK][,@SELECTOR={SPEC}]"
 )
 #: The key form, as error messages show it.
 GRAMMAR = _GRAMMAR
@@ -236,7 +239,7 @@ def _split_segments(text: str) -> list[str]:
 
 
 def _names() -> str:
-    return ", ".join([*PRESET_DTYPES, *FP8_PRESET_RECIPES, *PRESET_ALIASES])
+    return ", ".join([*PRESET_DTYPES, *FP8_PRESET_RECIPES, *UPDATE_PRESETS, *PRESET_ALIASES])
 
 
 def _preset(name: str) -> dict[str, Any] | None:
@@ -248,6 +251,9 @@ def _preset(name: str) -> dict[str, Any] | None:
     if name in FP8_PRESET_RECIPES:
         base, recipe = FP8_PRESET_RECIPES[name]
         return _policy_dict(*PRESET_DTYPES[base], fp8=recipe.to_dict())
+    if name in UPDATE_PRESETS:
+        base, fields = UPDATE_PRESETS[name]
+        return _policy_dict(*PRESET_DTYPES[base], **fields)
     return None
 
 
@@ -317,7 +323,8 @@ def _parse(text: str, *, nested: bool, parent: dict[str, Any] | None = None) -> 
                 f"policy spec {spec!r}: names no dtype; give at least one of params, compute, output, reduce"
                 + (" (only an override's spec starts from its parent)" if values.keys() & FP8_KEYS else "")
             )
-        base = {**parent, "overrides": []}  # an override naming no dtype: the parent, then keys
+        # an override naming no dtype: the parent (less the whole-model memory keys), then keys
+        base = {k: v for k, v in parent.items() if k not in _UPDATE_FIELDS} | {"overrides": []}
     keep: tuple[str, ...] | None = None
     if base is not None:
         values = {
@@ -327,7 +334,9 @@ def _parse(text: str, *, nested: bool, parent: dict[str, Any] | None = None) -> 
         } | values
         if "reduce" not in values and base["reduce_dtype"] not in (None, base["param_dtype"]):
             values["reduce"] = base["reduce_dtype"]
-        if base["keep_fp32"] is not None and tuple(base["keep_fp32"]) != default_keep_fp32(base["compute_dtype"]):
+        if base["keep_fp32"] is not None and tuple(base["keep_fp32"]) != default_keep_fp32(
+            base["compute_dtype"]
+        ):
             keep = tuple(base["keep_fp32"])
     params = dtype(values.get("params", "float32"), "params")
     compute = dtype(values.get("compute", params), "compute")
@@ -356,9 +365,38 @@ def _parse(text: str, *, nested: bool, parent: dict[str, Any] | None = None) -> 
         params, compute, output,
         reduce_dtype=reduce, keep_fp32=None if keep is None else list(keep),
         fp8=None if recipe is None else recipe.to_dict(),
+        **_update_fields(spec, values, base, params, nested),
     )  # fmt: skip
     rules = [{"selector": sel, "policy": _parse(body, nested=True, parent=policy)} for sel, body in bodies]
     return {**policy, "overrides": rules}
+
+
+# -- the memory keys (master, update, opt_state: mpx.update_policy) ------------------------------------------
+_UPDATE_FIELDS = tuple(UPDATE_KEYS.values())
+
+
+def _update_fields(
+    spec: str, values: dict[str, str], base: dict[str, Any] | None, params: str, nested: bool
+) -> dict[str, str]:
+    """The memory fields a spec sets (its keys over its preset's), validated; only those not at the default."""
+    named = [key for key in UPDATE_KEYS if key in values]
+    if nested and named:
+        raise PolicyError(
+            f"policy spec {spec!r}: {named[0]} is a whole-model key (the optimizer's); an override cannot set it"
+        )
+    fields = {field: (base or {}).get(field) for field in _UPDATE_FIELDS}
+    fields |= {UPDATE_KEYS[key]: values[key] for key in named}
+    if fields["master_dtype"] is not None and base is not None and "master" not in values:
+        if base["param_dtype"] != params:  # the preset's master followed its params: follow the new ones
+            fields["master_dtype"] = None
+    if not any(v is not None for v in fields.values()):
+        return {}
+    master, update, opt_state = check_fields(
+        params, fields["master_dtype"], fields["update"] or "plain", fields["opt_state"] or "float32"
+    )
+    defaults = {"master_dtype": params, "update": "plain", "opt_state": "float32"}
+    out = {"master_dtype": master, "update": update, "opt_state": opt_state}
+    return {k: v for k, v in out.items() if v != defaults[k]}
 
 
 def parse(text: str) -> dict[str, Any]:
