@@ -179,6 +179,10 @@ class JaxOps(ArrayOps):
     def get_row(self, rows: Any, index: Any) -> Any:
         return lax.dynamic_index_in_dim(rows, index, axis=0, keepdims=False)
 
+    def iota(self, x: Any) -> Any:
+        x = jnp.asarray(x)
+        return jnp.arange(x.size, dtype=jnp.int32).reshape(x.shape)
+
     def set_row(self, rows: Any, index: Any, row: Any) -> Any:
         # a dynamic_update_slice: in place when the caller donates the buffer
         return lax.dynamic_update_index_in_dim(rows, jnp.asarray(row, rows.dtype), index, axis=0)

@@ -207,6 +207,10 @@ class KerasOps(ArrayOps):
         start = [ops.cast(index, "int32"), ops.zeros((), "int32")]
         return ops.slice(rows, start, (1, rows.shape[1]))[0]
 
+    def iota(self, x: Any) -> Any:
+        size = int(np.prod(x.shape))  # static shapes (a kernel's tensors are the optimizer's variables)
+        return ops.reshape(ops.arange(size, dtype="int32"), x.shape)
+
     def set_row(self, rows: Any, index: Any, row: Any) -> Any:
         start = [ops.cast(index, "int32"), ops.zeros((), "int32")]
         return ops.slice_update(rows, start, ops.reshape(ops.cast(row, _dtype(rows)), (1, rows.shape[1])))

@@ -184,6 +184,10 @@ class TensorFlowOps(ArrayOps):
     def get_row(self, rows: Any, index: Any) -> Any:
         return tf.gather(rows, index)
 
+    def iota(self, x: Any) -> Any:
+        x = tf.convert_to_tensor(x)
+        return tf.reshape(tf.range(tf.size(x, out_type=tf.int32), dtype=tf.int32), tf.shape(x))
+
     def set_row(self, rows: Any, index: Any, row: Any) -> Any:
         return tf.tensor_scatter_nd_update(rows, tf.reshape(index, [1, 1]), tf.reshape(row, [1, -1]))
 

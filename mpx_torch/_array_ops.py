@@ -227,6 +227,9 @@ class TorchOps(ArrayOps):
     def get_row(self, rows: Any, index: Any) -> Any:
         return torch.index_select(rows, 0, self._tensor(index).reshape(1)).reshape(rows.shape[1:])
 
+    def iota(self, x: Any) -> Any:
+        return torch.arange(x.numel(), dtype=torch.int32, device=x.device).reshape(x.shape)
+
     def set_row(self, rows: Any, index: Any, row: Any) -> Any:
         """``rows[index] = row`` in place (``index_copy_``: no host read of ``index``); returns ``rows``."""
         index = self._tensor(index).reshape(1).to(torch.int64)

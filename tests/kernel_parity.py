@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -26,6 +27,7 @@ import mpx
 from mpx.kernels import NUMPY_OPS, ArrayOps
 from mpx.kernels import float8 as kf
 from mpx.kernels import ring as kr
+from mpx.kernels import rounding as kround
 from mpx.kernels import scale as ks
 
 __all__ = ["KERNELS", "assert_same_bits", "make_tests"]
@@ -122,7 +124,10 @@ def assert_same_bits(got: Any, want: Any, what: str) -> None:
 
 
 def _run(
-    o: ArrayOps, fn: Callable[..., Any], inputs: tuple[Any, ...], compile_with: Callable[..., Any] | None = None
+    o: ArrayOps,
+    fn: Callable[..., Any],
+    inputs: tuple[Any, ...],
+    compile_with: Callable[..., Any] | None = None,
 ) -> list[np.ndarray]:
     arrays = [i for i, x in enumerate(inputs) if isinstance(x, (np.ndarray, np.generic))]
     args = list(inputs)
@@ -144,7 +149,11 @@ def _run(
 
 
 def check(
-    o: ArrayOps, name: str, fn: Callable[..., Any], *inputs: Any, compile_with: Callable[..., Any] | None = None
+    o: ArrayOps,
+    name: str,
+    fn: Callable[..., Any],
+    *inputs: Any,
+    compile_with: Callable[..., Any] | None = None,
 ) -> None:
     """Run ``fn(ops, *inputs)`` with ``o`` and with numpy; every output's bits must agree.
 
@@ -205,6 +214,18 @@ def _ring(o: ArrayOps, rows: Any, values: Any, when: Any) -> Any:
     return rows, recorded
 
 
+def _round_bf16(o: ArrayOps, x: Any) -> Any:
+    return kround.round_bf16(o, x)
+
+
+def _stochastic_round(o: ArrayOps, x: Any, seed: int, step: Any, param: int) -> Any:
+    return kround.stochastic_round_bf16(o, x, seed=seed, step=step, param=param)
+
+
+def _kahan_add(o: ArrayOps, w: Any, c: Any, u: Any) -> Any:
+    return kround.kahan_add(o, w, c, u)
+
+
 def _arr(values: list[float]) -> np.ndarray:
     return np.asarray(values, np.float32)
 
@@ -215,6 +236,24 @@ _PAIR = st.integers(1, 12).flatmap(
 )
 _HISTORY = st.lists(AMAX.filter(np.isfinite), min_size=6, max_size=6)
 _SKIP = st.sampled_from([None, np.asarray(True), np.asarray(False)])
+
+
+#: normal magnitudes in [2**-100, 2**100] and zeros: no float32 sum of them is subnormal (the Kahan kernel's
+#: float32 adds are the table's; XLA and TensorFlow flush subnormal sums)
+_NORMAL = st.one_of(
+    st.just(0.0), st.floats(2.0**-100, 2.0**100, width=32), st.floats(-(2.0**100), -(2.0**-100), width=32)
+)
+
+
+def _bf16(values: list[float]) -> np.ndarray:
+    return np.asarray(values, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def _kahan_inputs(n: int) -> Any:
+    return st.tuples(
+        *(st.lists(_NORMAL, min_size=n, max_size=n).map(_bf16) for _ in range(2)),
+        st.lists(_NORMAL, min_size=n, max_size=n).map(_arr),
+    )
 
 
 def _tensor_inputs(t: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -252,6 +291,17 @@ KERNELS: dict[str, tuple[Any, Callable[..., Any]]] = {
         ),
         _product_bits,
     ),
+    "round_bf16": (st.tuples(_X), _round_bf16),
+    "stochastic_round": (
+        st.tuples(
+            _X,
+            st.integers(0, 2**32 - 1),
+            st.one_of(st.integers(0, 2**31 - 1), st.integers(0, 2**31 - 1).map(np.int32)),
+            st.integers(0, 2**20),
+        ),
+        _stochastic_round,
+    ),
+    "kahan_add": (st.integers(1, 12).flatmap(_kahan_inputs), _kahan_add),
     "ring": (
         st.tuples(
             st.integers(1, 4).map(lambda n: np.zeros((n, 4), np.int32)),
@@ -261,6 +311,10 @@ KERNELS: dict[str, tuple[Any, Callable[..., Any]]] = {
         _ring,
     ),
 }
+
+
+#: kernels run with fewer examples than a backend asks for (a 10-round generator is many ops per call)
+_MAX_EXAMPLES = {"round_bf16": 10, "stochastic_round": 6, "kahan_add": 8}
 
 
 def make_tests(
@@ -284,7 +338,9 @@ def make_tests(
             continue
         test = _parity_test(make_ops, name, fn, compile_with, suffix)
         test = settings(
-            max_examples=max_examples, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+            max_examples=min(max_examples, _MAX_EXAMPLES.get(name, max_examples)),
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow],
         )(given(strategy)(test))
         tests[test.__name__] = test
     return tests

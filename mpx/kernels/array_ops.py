@@ -179,6 +179,11 @@ class ArrayOps:
         """``rows[index]`` of a 2-D array, ``index`` an int32 scalar array."""
         raise NotImplementedError
 
+    def iota(self, x: Any) -> Any:
+        """Each element's flat (row-major) index in ``x``, as int32 of ``x``'s shape (the counters of
+        :func:`mpx.kernels.rounding.random_bits`)."""
+        raise NotImplementedError
+
     def set_row(self, rows: Any, index: Any, row: Any) -> Any:
         """``rows`` with ``rows[index] = row`` (may update ``rows`` in place and return it)."""
         raise NotImplementedError
@@ -326,6 +331,10 @@ class NumpyOps(ArrayOps):
 
     def get_row(self, rows: Any, index: Any) -> Any:
         return np.asarray(rows)[int(index)]
+
+    def iota(self, x: Any) -> Any:
+        x = np.asarray(x)
+        return np.arange(x.size, dtype=np.int32).reshape(x.shape)
 
     def set_row(self, rows: Any, index: Any, row: Any) -> Any:
         out = np.array(rows, copy=True)
