@@ -1,0 +1,186 @@
+"""mpx_torch.optim.PolicyOptimizer: the core's reference trace, optimi's Kahan SGD bit for bit, torchao's
+stochastically rounded AdamW in distribution, a skipped GradScaler step, checkpoints, bytes per parameter."""
+
+import copy
+import math
+
+import numpy as np
+import optim_parity
+import pytest
+import torch
+from hypothesis import given, settings
+
+import mpx
+import mpx_torch
+from mpx_torch.optim import PolicyOptimizer
+
+POLICY = {"plain": "bfloat16", "kahan": "bf16_kahan", "stochastic": "bf16_sr"}
+
+
+def _bits(t):
+    return t.detach().float().numpy().view(np.int32)
+
+
+@settings(max_examples=25, deadline=None)
+@given(optim_parity.traces())
+def test_sgd_trace_is_the_core_reference(case):
+    params = [torch.nn.Parameter(torch.from_numpy(case["w0"][i]).to(torch.bfloat16)) for i in range(2)]
+    opt = PolicyOptimizer(torch.optim.SGD(params, lr=case["lr"]), POLICY[case["update"]], seed=case["seed"])
+    for step, (want_w, want_c) in enumerate(optim_parity.reference_trace(case)):
+        for i, p in enumerate(params):
+            p.grad = torch.from_numpy(case["grads"][step, i]).to(torch.bfloat16)
+        opt.step()
+        for i, p in enumerate(params):
+            assert p.dtype == torch.bfloat16
+            assert np.array_equal(_bits(p), want_w[i].view(np.int32)), (step, i)
+            if case["update"] == "kahan":
+                assert np.array_equal(_bits(opt.state_of(p)["kahan_comp"]), want_c[i].view(np.int32))
+
+
+@settings(max_examples=15, deadline=None)
+@given(optim_parity.traces())
+def test_kahan_sgd_equals_optimis_bit_for_bit(case):
+    """optimi.SGD(kahan_sum=True) adds -lr * grad to its bfloat16 compensation; mpx adds the float32 step's
+    difference: equal where the step is exact in float32 (lr a power of two, these magnitudes)."""
+    import optimi
+
+    ours = [torch.nn.Parameter(torch.from_numpy(w).to(torch.bfloat16)) for w in case["w0"]]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    opt = PolicyOptimizer(torch.optim.SGD(ours, lr=case["lr"]), "bf16_kahan")
+    ref = optimi.SGD(theirs, lr=case["lr"], kahan_sum=True, foreach=False)
+    for grads in case["grads"]:
+        for p, q, g in zip(ours, theirs, grads, strict=True):
+            p.grad, q.grad = (torch.from_numpy(g).to(torch.bfloat16) for _ in range(2))
+        opt.step()
+        ref.step()
+        for p, q in zip(ours, theirs, strict=True):
+            assert np.array_equal(_bits(p), _bits(q))
+            assert np.array_equal(_bits(opt.state_of(p)["kahan_comp"]), _bits(ref.state[q]["kahan_comp"]))
+
+
+def test_stochastic_adamw_matches_torchaos_in_distribution(monkeypatch):
+    """One AdamW step on 2**15 copies of one weight: the mean and variance of the rounded weights are torchao's
+    ``_AdamW(bf16_stochastic_round=True)``'s within a few standard errors.  torchao compiles its step function
+    with inductor (15 s on this CPU): here the same function runs eagerly (``torch.compile`` returns it)."""
+    import torchao.optim
+
+    n, value, grad = 1 << 15, 1.0, 0.37
+    ours = torch.nn.Parameter(torch.full((n,), value, dtype=torch.bfloat16))
+    theirs = torch.nn.Parameter(ours.detach().clone())
+    lr = 3e-3  # the float32 step lands between two bfloat16 values
+    opt = PolicyOptimizer(torch.optim.AdamW([ours], lr=lr, weight_decay=0.0), "bf16_sr", seed=3)
+    ref = torchao.optim._AdamW([theirs], lr=lr, weight_decay=0.0, bf16_stochastic_round=True)
+    ours.grad, theirs.grad = torch.full_like(ours, grad), torch.full_like(theirs, grad)
+    opt.step()
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
+    ref.step()
+    a, b = ours.detach().double(), theirs.detach().double()
+    target = value - lr * grad / (abs(grad) + 1e-8)  # Adam's first step: lr * sign(grad)
+    gap = 2.0 ** (math.floor(math.log2(target)) - 7)  # bfloat16's spacing at the target
+    frac = (target - math.floor(target / gap) * gap) / gap
+    se = gap * math.sqrt(frac * (1 - frac) / n)
+    assert abs(a.mean().item() - target) < 4 * se and abs(b.mean().item() - target) < 4 * se
+    var = gap**2 * frac * (1 - frac)
+    assert abs(a.var().item() - var) < 0.05 * var and abs(b.var().item() - var) < 0.05 * var
+    assert set(a.unique().tolist()) == set(b.unique().tolist())  # the same two neighbours
+
+
+def _model(policy):
+    torch.manual_seed(0)
+    return mpx_torch.prepare(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)), policy)
+
+
+def _snapshot(model, opt):
+    out = [p.detach().clone() for p in model.parameters()]
+    for p in model.parameters():
+        out += [v.clone() for v in opt.state[p].values() if torch.is_tensor(v)]
+        out += [v.clone() for v in opt.state_of(p).values()]
+    return out, opt.steps
+
+
+@pytest.mark.parametrize("policy", ["bf16_kahan", "bf16_sr", "bfloat16,master=float32,opt_state=bf16"])
+def test_a_skipped_grad_scaler_step_leaves_everything_bit_identical(policy):
+    model = _model(policy)
+    opt = PolicyOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2), model
+    )  # the prepared model's policy
+    scaler = mpx_torch.GradScaler(mpx.ScalerConfig(kind="dynamic", init_scale=2.0**8))
+    x = torch.randn(16, 4)
+    for _ in range(2):
+        opt.zero_grad()
+        scaler.scale(model(x).float().square().mean()).backward()
+        scaler.step(opt)
+        scaler.update()
+    before, steps = _snapshot(model, opt)
+    assert steps == 2
+    opt.zero_grad()
+    scaler.scale(model(x).float().square().mean() * float("inf")).backward()
+    scaler.step(opt)
+    scaler.update()
+    after, steps_after = _snapshot(model, opt)
+    assert steps_after == steps and len(after) == len(before)
+    for a, b in zip(after, before, strict=True):
+        assert a.dtype == b.dtype and torch.equal(
+            a.view(torch.uint8) if a.dim() else a, b.view(torch.uint8) if b.dim() else b
+        )
+
+
+@pytest.mark.parametrize("policy", ["bf16_kahan", "bf16_sr", "bfloat16,opt_state=bf16"])
+def test_a_checkpoint_resumes_bit_for_bit(policy):
+    x = torch.randn(16, 4, generator=torch.Generator().manual_seed(1))
+
+    def run(model, opt, steps):
+        for _ in range(steps):
+            opt.zero_grad()
+            model(x).float().square().mean().backward()
+            opt.step()
+
+    model = _model(policy)
+    opt = PolicyOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), policy, seed=9)
+    run(model, opt, 2)
+    saved = copy.deepcopy((model.state_dict(), opt.state_dict()))  # as torch.save would
+    run(model, opt, 2)
+    resumed = _model(policy)
+    resumed.load_state_dict(saved[0])
+    opt2 = PolicyOptimizer(torch.optim.AdamW(resumed.parameters(), lr=1e-2), policy)
+    opt2.load_state_dict(saved[1])
+    assert opt2.seed == 9 and opt2.steps == 2
+    run(resumed, opt2, 2)
+    for p, q in zip(model.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(p, q)
+        for k, v in opt.state[p].items():
+            assert opt2.state[q][k].dtype == v.dtype and torch.equal(opt2.state[q][k], v)
+
+
+# bytes per parameter of Adam (weights + compensation or master + optimizer state + gradients), from the tensors
+BYTES = {"mixed_bfloat16": 16, "bf16_kahan": 14, "bf16_sr": 12, "bf16_kahan,opt_state=bf16": 10,
+         "bf16_sr,opt_state=bf16": 8, "bfloat16,master=float32": 16}  # fmt: skip
+
+
+@pytest.mark.parametrize(("policy", "expected"), BYTES.items())
+def test_bytes_per_parameter_from_the_state_tensors(policy, expected):
+    model = _model(policy)
+    opt = PolicyOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3), policy)
+    model(torch.randn(2, 4)).float().sum().backward()
+    opt.step()
+    n = sum(p.numel() for p in model.parameters())
+    total = 0
+    for p in model.parameters():
+        total += p.numel() * p.element_size() + p.grad.numel() * p.grad.element_size()
+        tensors = [v for k, v in opt.state[p].items() if k != "step"] + list(opt.state_of(p).values())
+        total += sum(t.numel() * t.element_size() for t in tensors)
+    assert total / n == expected
+
+
+def test_errors_name_the_key():
+    w = torch.nn.Parameter(torch.ones(2))
+    with pytest.raises(mpx.PolicyError, match="^opt_state: int8:256 is not implemented"):
+        PolicyOptimizer(torch.optim.Adam([w]), "mixed_bfloat16_8bit_adam")
+    opt = PolicyOptimizer(torch.optim.SGD([w], lr=0.1), mpx.Policy("bfloat16", update="kahan"))
+    w.grad = torch.ones(2)
+    with pytest.raises(mpx.PolicyError, match="^update: kahan writes bfloat16 master weights"):
+        opt.step()
+    with pytest.raises(mpx.PolicyError, match="^policy: the module was not prepared"):
+        PolicyOptimizer(torch.optim.SGD([w], lr=0.1), torch.nn.Linear(2, 2))
+    with pytest.raises(mpx.StateDictError, match="saved under policy"):
+        PolicyOptimizer(torch.optim.SGD([w], lr=0.1), "bf16_sr").load_state_dict(opt.state_dict())
