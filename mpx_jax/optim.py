@@ -1,0 +1,188 @@
+"""``mpx_jax.optim.policy_optimizer``: a policy's master weights, update rule and optimizer-state storage around
+any optax ``GradientTransformation``.
+
+The wrapped transformation runs in float32: it gets float32 gradients, float32 parameters (the float32
+master for ``master=float32``) and float32 state; the float32 step ``new = w + u`` is then written back
+by the policy's update rule (:mod:`mpx.update_policy`) with the core's kernels
+(:mod:`mpx.kernels.rounding`), exactly as :class:`mpx_torch.optim.PolicyOptimizer` does:
+
+* ``update=plain``: rounded to nearest (or kept in the float32 master, rounded into the parameter);
+* ``update=stochastic``: stochastically rounded to bfloat16 with the counter-based bits of
+  ``(seed, step, parameter index, element index)``; the parameter index is the leaf's position in
+  ``jax.tree_util.tree_leaves(params)``, the step the wrapper's own counter (a skipped step is not
+  one);
+* ``update=kahan``: optimi's Kahan step with a bfloat16 compensation per parameter, the update being
+  ``new - w`` (exact in float32).
+
+The updates it returns are float32 differences ``target - w`` (exact), so ``optax.apply_updates`` (which
+adds in float32 and casts back to the parameter's dtype) lands every parameter on its target bit for bit.
+``opt_state=bfloat16`` stores the wrapped state's float32 leaves in bfloat16 between steps (rounded to
+nearest); ``opt_state=int8:BLOCK`` is not implemented here.
+
+Compose it inside :func:`mpx_jax.with_loss_scaling`: a skipped step keeps this state (compensation, master,
+step counter, the wrapped state) bit for bit and returns ``-0.0`` updates.
+
+>>> import jax.numpy as jnp, optax
+>>> tx = policy_optimizer(optax.sgd(1e-4), "bf16_kahan")
+>>> params = {"w": jnp.ones(3, jnp.bfloat16)}
+>>> state = tx.init(params)
+>>> for _ in range(100):
+...     updates, state = tx.update({"w": jnp.ones(3, jnp.bfloat16)}, state, params)
+...     params = optax.apply_updates(params, updates)
+>>> params["w"].dtype, params["w"].tolist(), round(float(params["w"][0]) + float(state.kahan_comp["w"][0]), 3)
+(dtype(bfloat16), [0.98828125, 0.98828125, 0.98828125], 0.99)
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from mpx import Policy, PolicySpec, get_policy
+from mpx.errors import PolicyError, UnsupportedTypeError
+from mpx.kernels import rounding
+from mpx_jax._array_ops import JAX_OPS as O
+from mpx_jax.casting import is_floating_array
+
+__all__ = ["PolicyOptimizerState", "policy_optimizer"]
+
+
+class PolicyOptimizerState(NamedTuple):
+    """The state of :func:`policy_optimizer`.
+
+    Attributes:
+        inner_state: the wrapped transformation's state (``opt_state``'s dtype between steps).
+        step: steps taken (int32): the stochastic rounding's step counter.
+        kahan_comp: per parameter, its bfloat16 compensation (``update=kahan``), else None.
+        master: per parameter, its float32 master (``master=float32``; an empty array for a float32
+            parameter), else None.
+    """
+
+    inner_state: Any
+    step: jax.Array
+    kahan_comp: Any
+    master: Any
+
+
+_NONE = jnp.zeros((0,), jnp.float32)  # the master of a parameter that has none (a float32 one)
+
+
+def _narrow(x: Any) -> bool:
+    return is_floating_array(x) and jnp.dtype(x.dtype).itemsize < 4
+
+
+def policy_optimizer(
+    tx: optax.GradientTransformation, policy: PolicySpec, *, seed: int = 0
+) -> optax.GradientTransformationExtraArgs:
+    """Wrap ``tx`` so that it steps under ``policy``'s memory keys (see the module docs).
+
+    Args:
+        tx: any optax transformation (extra args are forwarded).
+        policy: a policy or spec (``"bf16_kahan"``, ``"bf16_sr"``, ``"bfloat16,opt_state=bf16"``...).
+        seed: the stochastic rounding's seed (a non-negative int; default 0).
+
+    Raises:
+        mpx.PolicyError: for ``opt_state=int8:...`` (not implemented here), a bad seed, or (at ``init``) a
+            policy whose update rule needs bfloat16 parameters that are not.
+        mpx.UnsupportedTypeError: for a ``tx`` that is not an optax transformation.
+    """
+    pol: Policy = get_policy(policy)
+    if pol.opt_state.startswith("int8"):
+        raise PolicyError(
+            f"opt_state: {pol.opt_state} is not implemented by mpx_jax.optim.policy_optimizer; "
+            "allowed here: float32 or bfloat16"
+        )
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise PolicyError(f"seed: expected a non-negative int, got {seed!r}")
+    if not isinstance(tx, optax.GradientTransformation):
+        raise UnsupportedTypeError(f"tx: expected an optax GradientTransformation, got {type(tx).__name__}")
+    inner = optax.with_extra_args_support(tx)
+
+    def wide(tree: Any) -> Any:
+        return jax.tree_util.tree_map(lambda x: x.astype(jnp.float32) if _narrow(x) else x, tree)
+
+    def store(tree: Any) -> Any:
+        if pol.opt_state != "bfloat16":
+            return tree
+
+        def cast(x: Any) -> Any:
+            if is_floating_array(x) and x.dtype == jnp.float32:
+                return rounding.round_bf16(O, x).astype(jnp.bfloat16)
+            return x
+
+        return jax.tree_util.tree_map(cast, tree)
+
+    def check(params: Any) -> None:
+        if pol.update == "plain":
+            return
+        for index, p in enumerate(jax.tree_util.tree_leaves(params)):
+            if is_floating_array(p) and p.dtype != jnp.bfloat16:
+                raise PolicyError(
+                    f"update: {pol.update} writes bfloat16 master weights, but parameter {index} is {p.dtype}; "
+                    "cast the params to the policy's param dtype (mpx_jax.cast_to_param) first"
+                )
+
+    def init_fn(params: Any) -> PolicyOptimizerState:
+        check(params)
+        master = None
+        if pol.master_dtype == "float32":
+            master = jax.tree_util.tree_map(lambda p: p.astype(jnp.float32) if _narrow(p) else _NONE, params)
+        comp = None
+        if pol.update == "kahan":
+            comp = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, jnp.bfloat16), params)
+        work = params if master is None else _merge(master, params)
+        return PolicyOptimizerState(store(inner.init(wide(work))), jnp.zeros([], jnp.int32), comp, master)
+
+    def update_fn(
+        updates: Any, state: PolicyOptimizerState, params: Any = None, **extra: Any
+    ) -> tuple[Any, PolicyOptimizerState]:
+        if params is None:
+            raise PolicyError(
+                "params: policy_optimizer needs the parameters (tx.update(grads, state, params))"
+            )
+        work = wide(params if state.master is None else _merge(state.master, params))
+        u, new_inner = inner.update(wide(updates), wide(state.inner_state), work, **extra)
+        p_leaves, treedef = jax.tree_util.tree_flatten(params)
+        w_leaves = treedef.flatten_up_to(work)
+        u_leaves = treedef.flatten_up_to(u)
+        c_leaves = treedef.flatten_up_to(state.kahan_comp) if state.kahan_comp is not None else None
+        m_leaves = treedef.flatten_up_to(state.master) if state.master is not None else None
+        out, comps, masters = [], [], []
+        for index, (p, w, du) in enumerate(zip(p_leaves, w_leaves, u_leaves, strict=True)):
+            if not _narrow(p):
+                out.append(du)
+                comps.append(None if c_leaves is None else c_leaves[index])
+                masters.append(None if m_leaves is None else m_leaves[index])
+                continue
+            new = w + du.astype(jnp.float32)  # the float32 step
+            old = p.astype(jnp.float32)
+            if pol.update == "stochastic":
+                target = rounding.stochastic_round_bf16(O, new, seed=seed, step=state.step, param=index)
+            elif pol.update == "kahan":
+                target, c2 = rounding.kahan_add(O, old, c_leaves[index].astype(jnp.float32), new - old)
+                comps.append(c2.astype(jnp.bfloat16))
+            elif p.dtype == jnp.bfloat16:
+                target = rounding.round_bf16(O, new)
+            else:
+                target = new.astype(p.dtype).astype(jnp.float32)
+            if pol.update != "kahan":
+                comps.append(None if c_leaves is None else c_leaves[index])
+            masters.append(new if m_leaves is not None else None)
+            out.append(target - old)  # exact: apply_updates lands on target
+        new_state = PolicyOptimizerState(
+            store(new_inner),
+            state.step + 1,
+            None if c_leaves is None else treedef.unflatten(comps),
+            None if m_leaves is None else treedef.unflatten(masters),
+        )
+        return treedef.unflatten(out), new_state
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _merge(master: Any, params: Any) -> Any:
+    """``params`` with each narrow leaf replaced by its float32 master."""
+    return jax.tree_util.tree_map(lambda p, m: m if _narrow(p) else p, params, master)

@@ -1,0 +1,129 @@
+"""mpx_jax.optim.policy_optimizer: the core's reference trace (the one torch's PolicyOptimizer gives), eagerly and
+under jit; inside with_loss_scaling a skipped step leaves everything bit-identical; bytes per parameter."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import optim_parity
+import pytest
+from hypothesis import given, settings
+
+import mpx
+import mpx_jax
+from mpx_jax.optim import PolicyOptimizerState, policy_optimizer
+
+POLICY = {"plain": "bfloat16", "kahan": "bf16_kahan", "stochastic": "bf16_sr"}
+
+
+def _bits(x):
+    return np.asarray(jnp.asarray(x, jnp.float32)).view(np.int32)
+
+
+def _run_trace(case, step_fn=None):
+    tx = policy_optimizer(optax.sgd(case["lr"]), POLICY[case["update"]], seed=case["seed"])
+    params = {"a": jnp.asarray(case["w0"][0], jnp.bfloat16), "b": jnp.asarray(case["w0"][1], jnp.bfloat16)}
+    state = tx.init(params)
+
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    step_fn = step if step_fn is None else step_fn(step)
+    out = []
+    for g in case["grads"]:
+        grads = {"a": jnp.asarray(g[0], jnp.bfloat16), "b": jnp.asarray(g[1], jnp.bfloat16)}
+        params, state = step_fn(params, state, grads)
+        assert params["a"].dtype == jnp.bfloat16
+        comp = state.kahan_comp
+        out.append((params, comp))
+    return out
+
+
+def _check(case, got):
+    for step, ((params, comp), (want_w, want_c)) in enumerate(
+        zip(got, optim_parity.reference_trace(case), strict=True)
+    ):
+        for i, key in enumerate("ab"):
+            assert np.array_equal(_bits(params[key]), want_w[i].view(np.int32)), (step, key)
+            if case["update"] == "kahan":
+                assert np.array_equal(_bits(comp[key]), want_c[i].view(np.int32)), (step, key)
+
+
+@settings(max_examples=12, deadline=None)
+@given(optim_parity.traces())
+def test_sgd_trace_is_the_core_reference(case):
+    _check(case, _run_trace(case))
+
+
+@settings(max_examples=4, deadline=None)
+@given(optim_parity.traces())
+def test_sgd_trace_under_jit_is_the_core_reference(case):
+    _check(case, _run_trace(case, jax.jit))
+
+
+def _tree_bits(tree):
+    return [
+        np.asarray(x).tobytes() + str(np.asarray(x).dtype).encode() for x in jax.tree_util.tree_leaves(tree)
+    ]
+
+
+@pytest.mark.parametrize("policy", ["bf16_kahan", "bf16_sr", "bfloat16,master=float32,opt_state=bf16"])
+def test_a_skipped_step_under_with_loss_scaling_leaves_everything_bit_identical(policy):
+    tx = mpx_jax.with_loss_scaling(
+        policy_optimizer(optax.adamw(1e-2), policy, seed=4), mpx.ScalerConfig(init_scale=2.0**8)
+    )
+    key = jax.random.PRNGKey(0)
+    params = {"w": jax.random.normal(key, (4, 8)).astype(jnp.bfloat16), "b": jnp.zeros(8, jnp.bfloat16)}
+    state = tx.init(params)
+
+    @jax.jit
+    def step(params, state, scale_by):
+        grads = jax.tree_util.tree_map(
+            lambda p: (jnp.cos(p.astype(jnp.float32)) * scale_by).astype(p.dtype), params
+        )
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    for _ in range(2):
+        params, state = step(params, state, 256.0)
+    inner = state.inner_state
+    assert isinstance(inner, PolicyOptimizerState) and int(inner.step) == 2
+    before = _tree_bits((params, inner))
+    params, state = step(params, state, jnp.inf)
+    assert int(state.inner_state.step) == 2
+    assert _tree_bits((params, state.inner_state)) == before
+    params, state = step(params, state, 256.0)  # and the next finite step moves on
+    assert int(state.inner_state.step) == 3 and _tree_bits((params, state.inner_state)) != before
+
+
+# bytes per parameter of Adam (weights + gradients + compensation or master + moments), from the arrays
+BYTES = {"mixed_bfloat16": 16, "bf16_kahan": 14, "bf16_sr": 12, "bf16_kahan,opt_state=bf16": 10,
+         "bf16_sr,opt_state=bf16": 8, "bfloat16,master=float32": 16}  # fmt: skip
+
+
+@pytest.mark.parametrize(("policy", "expected"), BYTES.items())
+def test_bytes_per_parameter_from_the_state_arrays(policy, expected):
+    dtype = jnp.dtype(mpx.get_policy(policy).param_dtype)
+    params = {"w": jnp.ones((4, 8), dtype), "b": jnp.ones(8, dtype)}
+    tx = policy_optimizer(optax.adam(1e-3), policy)
+    state = tx.init(params)
+    grads = jax.tree_util.tree_map(jnp.ones_like, params)
+    _, state = tx.update(grads, state, params)
+    n = sum(p.size for p in jax.tree_util.tree_leaves(params))
+    arrays = jax.tree_util.tree_leaves((params, grads, state.inner_state, state.kahan_comp, state.master))
+    total = sum(a.nbytes for a in arrays if a.ndim)  # the scalars (Adam's count, the step) are per tensor
+    assert total / n == expected
+
+
+def test_errors_name_the_key():
+    with pytest.raises(mpx.PolicyError, match="^opt_state: int8:256 is not implemented"):
+        policy_optimizer(optax.adam(1e-3), "mixed_bfloat16_8bit_adam")
+    tx = policy_optimizer(optax.sgd(0.1), mpx.Policy("bfloat16", update="stochastic"))
+    with pytest.raises(mpx.PolicyError, match="^update: stochastic writes bfloat16 master weights"):
+        tx.init({"w": jnp.ones(2)})
+    state = tx.init({"w": jnp.ones(2, jnp.bfloat16)})
+    with pytest.raises(mpx.PolicyError, match="^params: policy_optimizer needs the parameters"):
+        tx.update({"w": jnp.ones(2, jnp.bfloat16)}, state)
+    with pytest.raises(mpx.UnsupportedTypeError, match="^tx: expected an optax GradientTransformation"):
+        policy_optimizer(lambda g: g, "bf16_sr")
