@@ -44,6 +44,7 @@ _DTYPES = {
     "float64": jnp.float64,
     "float8_e4m3fn": jnp.float8_e4m3fn,
     "float8_e5m2": jnp.float8_e5m2,
+    "int8": jnp.int8,
 }
 
 
@@ -178,6 +179,15 @@ class JaxOps(ArrayOps):
 
     def get_row(self, rows: Any, index: Any) -> Any:
         return lax.dynamic_index_in_dim(rows, index, axis=0, keepdims=False)
+
+    def reshape(self, x: Any, shape: tuple[int, ...]) -> Any:
+        return jnp.reshape(x, shape)
+
+    def row_max(self, x: Any) -> Any:
+        return jnp.max(x, axis=1)
+
+    def resize(self, x: Any, n: int) -> Any:
+        return jnp.pad(x[:n], (0, max(0, n - x.shape[0])))
 
     def iota(self, x: Any) -> Any:
         x = jnp.asarray(x)

@@ -207,6 +207,15 @@ class KerasOps(ArrayOps):
         start = [ops.cast(index, "int32"), ops.zeros((), "int32")]
         return ops.slice(rows, start, (1, rows.shape[1]))[0]
 
+    def reshape(self, x: Any, shape: tuple[int, ...]) -> Any:
+        return ops.reshape(x, shape)
+
+    def row_max(self, x: Any) -> Any:
+        return ops.max(x, axis=1)
+
+    def resize(self, x: Any, n: int) -> Any:
+        return ops.pad(x[:n], [[0, max(0, n - int(x.shape[0]))]])
+
     def iota(self, x: Any) -> Any:
         size = int(np.prod(x.shape))  # static shapes (a kernel's tensors are the optimizer's variables)
         return ops.reshape(ops.arange(size, dtype="int32"), x.shape)

@@ -40,6 +40,7 @@ _DTYPES = {
     "float64": tf.float64,
     "float8_e4m3fn": tf.as_dtype(ml_dtypes.float8_e4m3fn),
     "float8_e5m2": tf.as_dtype(ml_dtypes.float8_e5m2),
+    "int8": tf.int8,
 }
 
 
@@ -183,6 +184,16 @@ class TensorFlowOps(ArrayOps):
 
     def get_row(self, rows: Any, index: Any) -> Any:
         return tf.gather(rows, index)
+
+    def reshape(self, x: Any, shape: tuple[int, ...]) -> Any:
+        return tf.reshape(x, shape)
+
+    def row_max(self, x: Any) -> Any:
+        return tf.reduce_max(x, axis=1)
+
+    def resize(self, x: Any, n: int) -> Any:
+        x = tf.convert_to_tensor(x)
+        return tf.pad(x[:n], [[0, max(0, n - int(x.shape[0]))]])
 
     def iota(self, x: Any) -> Any:
         x = tf.convert_to_tensor(x)

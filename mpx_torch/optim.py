@@ -13,7 +13,10 @@ float32 state; then it writes the float32 result back by the policy's update rul
   compensation buffer (``c1 = bf16(c + u)``, ``w1 = bf16(w + c1)``, ``c2 = bf16(c1 + bf16(w - w1))``).
 
 ``opt_state=bfloat16`` stores the wrapped optimizer's floating state in bfloat16 between steps
-(rounded to nearest; float32 inside a step).  ``opt_state=int8:BLOCK`` is not implemented here.
+(rounded to nearest; float32 inside a step).  ``opt_state=int8:BLOCK`` stores each floating state
+tensor of the parameter's shape (Adam's moments) as int8 codes and a float32 absmax per block
+(:mod:`mpx.kernels.blockwise`), in the wrapper's own state (``state_of(p)["exp_avg.q"]``,
+``["exp_avg.absmax"]``), and hands the wrapped optimizer the dequantized float32 tensor at each step.
 
 Use it where the optimizer goes, with :class:`mpx_torch.GradScaler` too (a skipped step never calls
 :meth:`PolicyOptimizer.step`, so weights, compensation, state and the step counter stay as they were);
@@ -39,7 +42,8 @@ import torch
 
 from mpx import Policy, PolicySpec, get_policy
 from mpx.errors import PolicyError, StateDictError
-from mpx.kernels import rounding
+from mpx.kernels import blockwise, rounding
+from mpx.update_policy import int8_block
 from mpx_torch._array_ops import ops_for
 from mpx_torch.prepare import prepared_policy
 
@@ -59,8 +63,8 @@ class PolicyOptimizer:
         seed: the stochastic rounding's seed (an int; default 0).
 
     Raises:
-        mpx.PolicyError: for ``opt_state=int8:...`` (not implemented by this wrapper), or a policy whose
-            master is bfloat16 over parameters that are not (checked at each step).
+        mpx.PolicyError: for a bad seed, or a policy whose master is bfloat16 over parameters that are
+            not (checked at each step).
     """
 
     def __init__(
@@ -72,11 +76,7 @@ class PolicyOptimizer:
                 raise PolicyError("policy: the module was not prepared with mpx_torch.prepare; pass a policy")
             policy = found
         self.policy: Policy = get_policy(policy)
-        if self.policy.opt_state.startswith("int8"):
-            raise PolicyError(
-                f"opt_state: {self.policy.opt_state} is not implemented by mpx_torch.optim.PolicyOptimizer; "
-                "allowed here: float32 or bfloat16"
-            )
+        self._block = int8_block(self.policy.opt_state)
         if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
             raise PolicyError(f"seed: expected a non-negative int, got {seed!r}")
         self.optimizer = optimizer
@@ -162,7 +162,7 @@ class PolicyOptimizer:
                 p.data = storage
                 p.grad = grad
                 self._write_back(index, p, new, old)
-        if pol.opt_state == "bfloat16":
+        if pol.opt_state != "float32":
             for _, p in self._params():
                 self._narrow_state(p)
         self.steps += 1
@@ -187,25 +187,41 @@ class PolicyOptimizer:
             p.copy_(rounding.round_bf16(o, new) if p.dtype == torch.bfloat16 else new)
 
     def _widen_state(self, p: torch.Tensor) -> None:
+        """The wrapped optimizer's state of ``p`` in float32 (dequantized from the int8 blocks)."""
         for key, value in self.optimizer.state.get(p, {}).items():
             if key not in _STEP_KEYS and torch.is_tensor(value) and value.is_floating_point():
                 self.optimizer.state[p][key] = value.float()
+        extra = self._extra.get(p, {})
+        for key in [k[: -len(".q")] for k in extra if k.endswith(".q")]:
+            q, absmax = extra.pop(f"{key}.q"), extra.pop(f"{key}.absmax")
+            flat = blockwise.dequantize(ops_for(p.device), q, absmax, p.numel())
+            self.optimizer.state[p][key] = flat.reshape(p.shape)
 
     def _narrow_state(self, p: torch.Tensor) -> None:
+        """The wrapped optimizer's float32 state of ``p`` stored as ``opt_state`` says."""
         o = ops_for(p.device)
-        for key, value in self.optimizer.state.get(p, {}).items():
-            if key not in _STEP_KEYS and torch.is_tensor(value) and value.dtype == torch.float32:
-                self.optimizer.state[p][key] = rounding.round_bf16(o, value).to(torch.bfloat16)
+        state = self.optimizer.state.get(p, {})
+        for key, value in list(state.items()):
+            if key in _STEP_KEYS or not torch.is_tensor(value) or value.dtype != torch.float32:
+                continue
+            if self._block is None:
+                state[key] = rounding.round_bf16(o, value).to(torch.bfloat16)
+            elif value.shape == p.shape:  # a moment: int8 blocks in the wrapper's state
+                q, absmax = blockwise.quantize(o, value.reshape(-1), self._block)
+                extra = self._extra.setdefault(p, {})
+                extra[f"{key}.q"], extra[f"{key}.absmax"] = q, absmax
+                del state[key]
 
     # -- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """``{"optimizer": the wrapped optimizer's state dict, "mpx": {policy, seed, steps, kahan_comp, master}}``
-        (``kahan_comp``/``master``: parameter index -> tensor)."""
-        extra: dict[str, dict[int, torch.Tensor]] = {"kahan_comp": {}, "master": {}}
+        """``{"optimizer": the wrapped optimizer's state dict, "mpx": {policy, seed, steps, tensors}}``; ``tensors``
+        maps each of the wrapper's own state names (``kahan_comp``, ``master``, ``exp_avg.q``,
+        ``exp_avg.absmax``...) to ``{parameter index: tensor}``."""
+        tensors: dict[str, dict[int, torch.Tensor]] = {}
         for index, p in self._params():
             for key, value in self._extra.get(p, {}).items():
-                extra[key][index] = value.clone()
-        mpx_state = {"policy": str(self.policy), "seed": self.seed, "steps": self.steps, **extra}
+                tensors.setdefault(key, {})[index] = value.clone()
+        mpx_state = {"policy": str(self.policy), "seed": self.seed, "steps": self.steps, "tensors": tensors}
         return {"optimizer": self.optimizer.state_dict(), "mpx": mpx_state}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -245,8 +261,8 @@ class PolicyOptimizer:
                 p.data = data
         self.seed, self.steps = int(mpx_state["seed"]), int(mpx_state["steps"])
         self._extra = {}
-        for key in ("kahan_comp", "master"):
-            for index, value in mpx_state[key].items():
+        for key, by_index in mpx_state["tensors"].items():
+            for index, value in by_index.items():
                 self._extra.setdefault(params[int(index)], {})[key] = value.clone().to(
                     params[int(index)].device
                 )

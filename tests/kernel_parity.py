@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 import mpx
 from mpx.kernels import NUMPY_OPS, ArrayOps
+from mpx.kernels import blockwise as kb
 from mpx.kernels import float8 as kf
 from mpx.kernels import ring as kr
 from mpx.kernels import rounding as kround
@@ -226,6 +227,11 @@ def _kahan_add(o: ArrayOps, w: Any, c: Any, u: Any) -> Any:
     return kround.kahan_add(o, w, c, u)
 
 
+def _blockwise(o: ArrayOps, flat: Any, block: int) -> Any:
+    q, absmax = kb.quantize(o, flat, block)
+    return q, absmax, kb.dequantize(o, q, absmax, int(flat.shape[0]))
+
+
 def _arr(values: list[float]) -> np.ndarray:
     return np.asarray(values, np.float32)
 
@@ -302,6 +308,13 @@ KERNELS: dict[str, tuple[Any, Callable[..., Any]]] = {
         _stochastic_round,
     ),
     "kahan_add": (st.integers(1, 12).flatmap(_kahan_inputs), _kahan_add),
+    "blockwise_int8": (
+        st.tuples(
+            st.lists(FLOAT32.filter(np.isfinite), min_size=1, max_size=40).map(_arr),
+            st.sampled_from([4, 8, 32]),
+        ),
+        _blockwise,
+    ),
     "ring": (
         st.tuples(
             st.integers(1, 4).map(lambda n: np.zeros((n, 4), np.int32)),
@@ -314,7 +327,7 @@ KERNELS: dict[str, tuple[Any, Callable[..., Any]]] = {
 
 
 #: kernels run with fewer examples than a backend asks for (a 10-round generator is many ops per call)
-_MAX_EXAMPLES = {"round_bf16": 10, "stochastic_round": 6, "kahan_add": 8}
+_MAX_EXAMPLES = {"round_bf16": 10, "stochastic_round": 6, "kahan_add": 8, "blockwise_int8": 5}
 
 
 def make_tests(

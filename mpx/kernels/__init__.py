@@ -8,13 +8,25 @@ and gets exactly the numpy table's bits:
 * :mod:`mpx.kernels.float8`: FP8 quantize, the scale from an amax, the amax history;
 * :mod:`mpx.kernels.ring`: the scaler-history ring buffer;
 * :mod:`mpx.kernels.rounding`: float32 -> bfloat16 rounding (nearest, stochastic, Kahan);
+* :mod:`mpx.kernels.blockwise`: 8-bit block-quantized optimizer state (linear absmax);
 * :mod:`mpx.kernels.parity`: the checks a backend's parity test runs against numpy.
 
 No backend defines a float-bit helper, a quantize, a scale update or a ring buffer of
 its own; a new rule or format is one kernel here.
 """
 
-from mpx.kernels import bits, float8, ring, rounding, scale
+from mpx.kernels import bits, blockwise, float8, ring, rounding, scale
 from mpx.kernels.array_ops import DTYPE_NAMES, NUMPY_OPS, ArrayOps, NumpyOps
 
-__all__ = ["DTYPE_NAMES", "NUMPY_OPS", "ArrayOps", "NumpyOps", "bits", "float8", "ring", "rounding", "scale"]
+__all__ = [
+    "DTYPE_NAMES",
+    "NUMPY_OPS",
+    "ArrayOps",
+    "NumpyOps",
+    "bits",
+    "blockwise",
+    "float8",
+    "ring",
+    "rounding",
+    "scale",
+]

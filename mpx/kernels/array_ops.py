@@ -45,7 +45,7 @@ import numpy as np
 __all__ = ["DTYPE_NAMES", "NUMPY_OPS", "ArrayOps", "NumpyOps"]
 
 #: The dtype names a table's ``cast``/``bitcast`` take: the kernels' integers, floats and FP8 formats.
-DTYPE_NAMES = ("bool", "int32", "float32", "float64", "float8_e4m3fn", "float8_e5m2")
+DTYPE_NAMES = ("bool", "int32", "float32", "float64", "float8_e4m3fn", "float8_e5m2", "int8")
 
 
 class ArrayOps:
@@ -179,6 +179,18 @@ class ArrayOps:
         """``rows[index]`` of a 2-D array, ``index`` an int32 scalar array."""
         raise NotImplementedError
 
+    def reshape(self, x: Any, shape: tuple[int, ...]) -> Any:
+        """``x`` in ``shape`` (row-major; one ``-1`` allowed)."""
+        raise NotImplementedError
+
+    def row_max(self, x: Any) -> Any:
+        """The largest element of each row of the 2-D ``x`` (a 1-D array)."""
+        raise NotImplementedError
+
+    def resize(self, x: Any, n: int) -> Any:
+        """The 1-D ``x`` cut to its first ``n`` elements, or padded with zeros to ``n`` (a static int)."""
+        raise NotImplementedError
+
     def iota(self, x: Any) -> Any:
         """Each element's flat (row-major) index in ``x``, as int32 of ``x``'s shape (the counters of
         :func:`mpx.kernels.rounding.random_bits`)."""
@@ -196,6 +208,7 @@ _NP_DTYPES = {
     "float64": np.dtype(np.float64),
     "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn),
     "float8_e5m2": np.dtype(ml_dtypes.float8_e5m2),
+    "int8": np.dtype(np.int8),
 }
 
 
@@ -331,6 +344,16 @@ class NumpyOps(ArrayOps):
 
     def get_row(self, rows: Any, index: Any) -> Any:
         return np.asarray(rows)[int(index)]
+
+    def reshape(self, x: Any, shape: tuple[int, ...]) -> Any:
+        return np.reshape(np.asarray(x), shape)
+
+    def row_max(self, x: Any) -> Any:
+        return np.max(np.asarray(x), axis=1)
+
+    def resize(self, x: Any, n: int) -> Any:
+        x = np.asarray(x)
+        return np.concatenate([x[:n], np.zeros(max(0, n - x.shape[0]), x.dtype)])
 
     def iota(self, x: Any) -> Any:
         x = np.asarray(x)

@@ -98,7 +98,10 @@ def _snapshot(model, opt):
     return out, opt.steps
 
 
-@pytest.mark.parametrize("policy", ["bf16_kahan", "bf16_sr", "bfloat16,master=float32,opt_state=bf16"])
+@pytest.mark.parametrize(
+    "policy",
+    ["bf16_kahan", "bf16_sr", "bfloat16,master=float32,opt_state=bf16", "bf16_kahan,opt_state=int8:32"],
+)
 def test_a_skipped_grad_scaler_step_leaves_everything_bit_identical(policy):
     model = _model(policy)
     opt = PolicyOptimizer(
@@ -125,7 +128,9 @@ def test_a_skipped_grad_scaler_step_leaves_everything_bit_identical(policy):
         )
 
 
-@pytest.mark.parametrize("policy", ["bf16_kahan", "bf16_sr", "bfloat16,opt_state=bf16"])
+@pytest.mark.parametrize(
+    "policy", ["bf16_kahan", "bf16_sr", "bfloat16,opt_state=bf16", "mixed_bfloat16_8bit_adam"]
+)
 def test_a_checkpoint_resumes_bit_for_bit(policy):
     x = torch.randn(16, 4, generator=torch.Generator().manual_seed(1))
 
@@ -150,18 +155,23 @@ def test_a_checkpoint_resumes_bit_for_bit(policy):
         assert torch.equal(p, q)
         for k, v in opt.state[p].items():
             assert opt2.state[q][k].dtype == v.dtype and torch.equal(opt2.state[q][k], v)
+        for k, v in opt.state_of(p).items():
+            assert opt2.state_of(q)[k].dtype == v.dtype and torch.equal(opt2.state_of(q)[k], v)
 
 
 # bytes per parameter of Adam (weights + compensation or master + optimizer state + gradients), from the tensors
 BYTES = {"mixed_bfloat16": 16, "bf16_kahan": 14, "bf16_sr": 12, "bf16_kahan,opt_state=bf16": 10,
-         "bf16_sr,opt_state=bf16": 8, "bfloat16,master=float32": 16}  # fmt: skip
+         "bf16_sr,opt_state=bf16": 8, "bfloat16,master=float32": 16,
+         "mixed_bfloat16_8bit_adam": 10.03125, "bf16_kahan,opt_state=int8": 8.03125,
+         "bf16_sr,opt_state=int8": 6.03125}  # fmt: skip
 
 
 @pytest.mark.parametrize(("policy", "expected"), BYTES.items())
 def test_bytes_per_parameter_from_the_state_tensors(policy, expected):
-    model = _model(policy)
+    torch.manual_seed(0)  # 512 weights: two whole blocks of 256
+    model = mpx_torch.prepare(torch.nn.Linear(16, 32, bias=False), policy)
     opt = PolicyOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3), policy)
-    model(torch.randn(2, 4)).float().sum().backward()
+    model(torch.randn(2, 16)).float().sum().backward()
     opt.step()
     n = sum(p.numel() for p in model.parameters())
     total = 0
@@ -174,8 +184,6 @@ def test_bytes_per_parameter_from_the_state_tensors(policy, expected):
 
 def test_errors_name_the_key():
     w = torch.nn.Parameter(torch.ones(2))
-    with pytest.raises(mpx.PolicyError, match="^opt_state: int8:256 is not implemented"):
-        PolicyOptimizer(torch.optim.Adam([w]), "mixed_bfloat16_8bit_adam")
     opt = PolicyOptimizer(torch.optim.SGD([w], lr=0.1), mpx.Policy("bfloat16", update="kahan"))
     w.grad = torch.ones(2)
     with pytest.raises(mpx.PolicyError, match="^update: kahan writes bfloat16 master weights"):
@@ -184,3 +192,34 @@ def test_errors_name_the_key():
         PolicyOptimizer(torch.optim.SGD([w], lr=0.1), torch.nn.Linear(2, 2))
     with pytest.raises(mpx.StateDictError, match="saved under policy"):
         PolicyOptimizer(torch.optim.SGD([w], lr=0.1), "bf16_sr").load_state_dict(opt.state_dict())
+
+
+def test_int8_state_is_the_core_quantization_of_the_float32_moments():
+    """One Adam step: the stored codes and absmaxes are the numpy kernel's of the moments a float32 Adam computes,
+    and the next step starts from their dequantized values."""
+    from mpx.kernels import NUMPY_OPS
+    from mpx.kernels import blockwise as kb
+
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(300))
+    twin = torch.nn.Parameter(w.detach().clone())
+    opt = PolicyOptimizer(torch.optim.Adam([w], lr=1e-2), "mixed_bfloat16_8bit_adam")
+    ref = torch.optim.Adam([twin], lr=1e-2)
+    g = torch.randn(300)
+    w.grad, twin.grad = g.clone(), g.clone()
+    opt.step()
+    ref.step()
+    assert torch.equal(w, twin) and set(opt.state[w]) == {"step"}
+    for key in ("exp_avg", "exp_avg_sq"):
+        q, absmax = kb.quantize(NUMPY_OPS, ref.state[twin][key].numpy(), 256)
+        assert opt.state_of(w)[f"{key}.q"].dtype == torch.int8 and opt.state_of(w)[f"{key}.q"].shape == (
+            2,
+            256,
+        )
+        assert np.array_equal(opt.state_of(w)[f"{key}.q"].numpy(), q)
+        assert np.array_equal(opt.state_of(w)[f"{key}.absmax"].numpy().view(np.int32), absmax.view(np.int32))
+        ref.state[twin][key] = torch.from_numpy(kb.dequantize(NUMPY_OPS, q, absmax, 300))
+    w.grad, twin.grad = g.clone(), g.clone()
+    opt.step()
+    ref.step()
+    assert torch.equal(w, twin)
