@@ -17,7 +17,8 @@ by the policy's update rule (:mod:`mpx.update_policy`) with the core's kernels
 The updates it returns are float32 differences ``target - w`` (exact), so ``optax.apply_updates`` (which
 adds in float32 and casts back to the parameter's dtype) lands every parameter on its target bit for bit.
 ``opt_state=bfloat16`` stores the wrapped state's float32 leaves in bfloat16 between steps (rounded to
-nearest); ``opt_state=int8:BLOCK`` is not implemented here.
+nearest); ``opt_state=int8:BLOCK`` stores each non-scalar float32 leaf (Adam's moments) as a
+:class:`Quantized` (int8 codes and a float32 absmax per block, :mod:`mpx.kernels.blockwise`).
 
 Compose it inside :func:`mpx_jax.with_loss_scaling`: a skipped step keeps this state (compensation, master,
 step counter, the wrapped state) bit for bit and returns ``-0.0`` updates.
@@ -43,11 +44,42 @@ import optax
 
 from mpx import Policy, PolicySpec, get_policy
 from mpx.errors import PolicyError, UnsupportedTypeError
-from mpx.kernels import rounding
+from mpx.kernels import blockwise, rounding
+from mpx.update_policy import int8_block
 from mpx_jax._array_ops import JAX_OPS as O
 from mpx_jax.casting import is_floating_array
 
-__all__ = ["PolicyOptimizerState", "policy_optimizer"]
+__all__ = ["PolicyOptimizerState", "Quantized", "policy_optimizer"]
+
+
+@jax.tree_util.register_pytree_node_class
+class Quantized:
+    """An int8 block-quantized float32 array (:mod:`mpx.kernels.blockwise`): ``q`` (int8, ``(rows, block)``) and
+    ``absmax`` (float32, ``(rows,)``) are its leaves, ``shape`` the array's (static)."""
+
+    def __init__(self, q: Any, absmax: Any, shape: tuple[int, ...]) -> None:
+        self.q, self.absmax, self.shape = q, absmax, tuple(shape)
+
+    @classmethod
+    def of(cls, x: Any, block: int) -> Quantized:
+        q, absmax = blockwise.quantize(O, jnp.reshape(x, (-1,)), block)
+        return cls(q, absmax, x.shape)
+
+    def dequantize(self) -> Any:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return jnp.reshape(blockwise.dequantize(O, self.q, self.absmax, n), self.shape)
+
+    def tree_flatten(self) -> tuple[tuple[Any, Any], tuple[int, ...]]:
+        return (self.q, self.absmax), self.shape
+
+    @classmethod
+    def tree_unflatten(cls, shape: tuple[int, ...], leaves: Any) -> Quantized:
+        return cls(*leaves, shape)
+
+    def __repr__(self) -> str:
+        return f"Quantized(shape={self.shape}, blocks={getattr(self.q, 'shape', None)})"
 
 
 class PolicyOptimizerState(NamedTuple):
@@ -85,16 +117,12 @@ def policy_optimizer(
         seed: the stochastic rounding's seed (a non-negative int; default 0).
 
     Raises:
-        mpx.PolicyError: for ``opt_state=int8:...`` (not implemented here), a bad seed, or (at ``init``) a
+        mpx.PolicyError: for a bad seed, or (at ``init``) a
             policy whose update rule needs bfloat16 parameters that are not.
         mpx.UnsupportedTypeError: for a ``tx`` that is not an optax transformation.
     """
     pol: Policy = get_policy(policy)
-    if pol.opt_state.startswith("int8"):
-        raise PolicyError(
-            f"opt_state: {pol.opt_state} is not implemented by mpx_jax.optim.policy_optimizer; "
-            "allowed here: float32 or bfloat16"
-        )
+    block = int8_block(pol.opt_state)
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise PolicyError(f"seed: expected a non-negative int, got {seed!r}")
     if not isinstance(tx, optax.GradientTransformation):
@@ -102,11 +130,25 @@ def policy_optimizer(
     inner = optax.with_extra_args_support(tx)
 
     def wide(tree: Any) -> Any:
-        return jax.tree_util.tree_map(lambda x: x.astype(jnp.float32) if _narrow(x) else x, tree)
+        def cast(x: Any) -> Any:
+            if isinstance(x, Quantized):
+                return x.dequantize()
+            return x.astype(jnp.float32) if _narrow(x) else x
+
+        return jax.tree_util.tree_map(cast, tree, is_leaf=lambda x: isinstance(x, Quantized))
 
     def store(tree: Any) -> Any:
-        if pol.opt_state != "bfloat16":
+        if pol.opt_state == "float32":
             return tree
+        if block is not None:
+            return jax.tree_util.tree_map(
+                lambda x: (
+                    Quantized.of(x, block)
+                    if is_floating_array(x) and x.dtype == jnp.float32 and x.ndim
+                    else x
+                ),
+                tree,
+            )
 
         def cast(x: Any) -> Any:
             if is_floating_array(x) and x.dtype == jnp.float32:

@@ -68,7 +68,9 @@ def _tree_bits(tree):
     ]
 
 
-@pytest.mark.parametrize("policy", ["bf16_kahan", "bf16_sr", "bfloat16,master=float32,opt_state=bf16"])
+@pytest.mark.parametrize(
+    "policy", ["bf16_kahan", "bf16_sr", "bfloat16,master=float32,opt_state=bf16", "bf16_sr,opt_state=int8:32"]
+)
 def test_a_skipped_step_under_with_loss_scaling_leaves_everything_bit_identical(policy):
     tx = mpx_jax.with_loss_scaling(
         policy_optimizer(optax.adamw(1e-2), policy, seed=4), mpx.ScalerConfig(init_scale=2.0**8)
@@ -99,13 +101,14 @@ def test_a_skipped_step_under_with_loss_scaling_leaves_everything_bit_identical(
 
 # bytes per parameter of Adam (weights + gradients + compensation or master + moments), from the arrays
 BYTES = {"mixed_bfloat16": 16, "bf16_kahan": 14, "bf16_sr": 12, "bf16_kahan,opt_state=bf16": 10,
-         "bf16_sr,opt_state=bf16": 8, "bfloat16,master=float32": 16}  # fmt: skip
+         "bf16_sr,opt_state=bf16": 8, "bfloat16,master=float32": 16,
+         "mixed_bfloat16_8bit_adam": 10.03125, "bf16_kahan,opt_state=int8": 8.03125}  # fmt: skip
 
 
 @pytest.mark.parametrize(("policy", "expected"), BYTES.items())
 def test_bytes_per_parameter_from_the_state_arrays(policy, expected):
     dtype = jnp.dtype(mpx.get_policy(policy).param_dtype)
-    params = {"w": jnp.ones((4, 8), dtype), "b": jnp.ones(8, dtype)}
+    params = {"w": jnp.ones((16, 32), dtype)}  # 512: two whole blocks of 256
     tx = policy_optimizer(optax.adam(1e-3), policy)
     state = tx.init(params)
     grads = jax.tree_util.tree_map(jnp.ones_like, params)
@@ -117,8 +120,6 @@ def test_bytes_per_parameter_from_the_state_arrays(policy, expected):
 
 
 def test_errors_name_the_key():
-    with pytest.raises(mpx.PolicyError, match="^opt_state: int8:256 is not implemented"):
-        policy_optimizer(optax.adam(1e-3), "mixed_bfloat16_8bit_adam")
     tx = policy_optimizer(optax.sgd(0.1), mpx.Policy("bfloat16", update="stochastic"))
     with pytest.raises(mpx.PolicyError, match="^update: stochastic writes bfloat16 master weights"):
         tx.init({"w": jnp.ones(2)})
@@ -127,3 +128,32 @@ def test_errors_name_the_key():
         tx.update({"w": jnp.ones(2, jnp.bfloat16)}, state)
     with pytest.raises(mpx.UnsupportedTypeError, match="^tx: expected an optax GradientTransformation"):
         policy_optimizer(lambda g: g, "bf16_sr")
+
+
+def test_int8_state_is_the_core_quantization_of_the_float32_moments():
+    """One Adam step: the stored codes and absmaxes are the numpy kernel's of the moments optax.adam computes in
+    float32, and the next step starts from their dequantized values."""
+    from mpx.kernels import NUMPY_OPS
+    from mpx.kernels import blockwise as kb
+
+    params = {"w": jax.random.normal(jax.random.PRNGKey(0), (300,))}
+    grads = {"w": jax.random.normal(jax.random.PRNGKey(1), (300,))}
+    tx = policy_optimizer(optax.adam(1e-2), "mixed_bfloat16_8bit_adam")
+    ref = optax.adam(1e-2)
+    state, ref_state = tx.init(params), ref.init(params)
+    u, state = tx.update(grads, state, params)
+    ru, ref_state = ref.update(grads, ref_state, params)
+    assert np.array_equal(np.asarray(u["w"]), np.asarray(ru["w"]))
+    adam, ref_adam = state.inner_state[0], ref_state[0]
+    moments = {}
+    for key in ("mu", "nu"):
+        stored = getattr(adam, key)["w"]
+        q, absmax = kb.quantize(NUMPY_OPS, np.asarray(getattr(ref_adam, key)["w"]), 256)
+        assert stored.q.dtype == jnp.int8 and stored.q.shape == (2, 256) and stored.shape == (300,)
+        assert np.array_equal(np.asarray(stored.q), q)
+        assert np.array_equal(np.asarray(stored.absmax).view(np.int32), absmax.view(np.int32))
+        moments[key] = {"w": jnp.asarray(kb.dequantize(NUMPY_OPS, q, absmax, 300))}
+    ref_state = (ref_adam._replace(**moments), *ref_state[1:])
+    u, state = tx.update(grads, state, params)
+    ru, ref_state = ref.update(grads, ref_state, params)
+    assert np.array_equal(np.asarray(u["w"]), np.asarray(ru["w"]))
