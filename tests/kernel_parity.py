@@ -23,7 +23,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import mpx
+from mpx.blocks import PRESETS as BLOCK_PRESETS
+from mpx.blocks import BlockRecipe
 from mpx.kernels import NUMPY_OPS, ArrayOps
+from mpx.kernels import blocks as kb
+from mpx.kernels import elements as ke
 from mpx.kernels import float8 as kf
 from mpx.kernels import ring as kr
 from mpx.kernels import scale as ks
@@ -122,7 +126,10 @@ def assert_same_bits(got: Any, want: Any, what: str) -> None:
 
 
 def _run(
-    o: ArrayOps, fn: Callable[..., Any], inputs: tuple[Any, ...], compile_with: Callable[..., Any] | None = None
+    o: ArrayOps,
+    fn: Callable[..., Any],
+    inputs: tuple[Any, ...],
+    compile_with: Callable[..., Any] | None = None,
 ) -> list[np.ndarray]:
     arrays = [i for i, x in enumerate(inputs) if isinstance(x, (np.ndarray, np.generic))]
     args = list(inputs)
@@ -144,7 +151,11 @@ def _run(
 
 
 def check(
-    o: ArrayOps, name: str, fn: Callable[..., Any], *inputs: Any, compile_with: Callable[..., Any] | None = None
+    o: ArrayOps,
+    name: str,
+    fn: Callable[..., Any],
+    *inputs: Any,
+    compile_with: Callable[..., Any] | None = None,
 ) -> None:
     """Run ``fn(ops, *inputs)`` with ``o`` and with numpy; every output's bits must agree.
 
@@ -223,6 +234,44 @@ def _tensor_inputs(t: tuple[Any, ...]) -> tuple[Any, ...]:
     return recipe, role, np.float32(scale), hist, np.float32(amax), skip
 
 
+def _blocks(o: ArrayOps, x: Any, name: str, role: str, axis: int) -> Any:
+    recipe = BLOCK_RECIPES[name]
+    q = kb.quantize(o, x, recipe, role, axis)
+    ts = o.float32(0.0) if q.tensor_scale is None else q.tensor_scale
+    return q.codes, q.scales, ts, kb.dequantize(o, q, recipe, role, axis)
+
+
+def _elements(o: ArrayOps, x: Any, fmt: str, shift: int) -> Any:
+    codes = ke.encode(o, x, fmt, shift)
+    return codes, ke.decode(o, codes, fmt)
+
+
+#: the block recipes the parity tests draw: every preset, and the E8M0 rules with FP6 and e5m2 elements
+BLOCK_RECIPES = {
+    **BLOCK_PRESETS,
+    "e5m2_even": BlockRecipe(element="e5m2", scale_rule="even", weight_block="8x8"),
+    "e2m3_rceil": BlockRecipe(element="e2m3", scale_rule="rceil", input_block="1x4"),
+    "e3m2_tensor": BlockRecipe(element="e3m2", input_block="tensor", grad_block="row"),
+    "e5m2_f32": BlockRecipe(element="e5m2", scale="float32", scale_rule="nearest"),
+}
+
+
+@st.composite
+def _block_inputs(draw: Any) -> tuple[Any, ...]:
+    rows, cols = 17, 33  # one shape no block divides (eager JAX compiles each op per shape: keep it one)
+    kind = draw(st.sampled_from(["any", "normal", "zero_rows"]))
+    if kind == "any":
+        x = np.asarray(draw(st.lists(FLOAT32, min_size=rows * cols, max_size=rows * cols)), np.float32)
+    else:
+        seed = draw(st.integers(0, 2**16))
+        rng = np.random.default_rng(seed)
+        x = (rng.standard_normal(rows * cols) * np.exp(rng.uniform(-90, 90))).astype(np.float32)
+        if kind == "zero_rows":
+            x[: cols * (rows // 2)] = 0.0
+    name = draw(st.sampled_from(sorted(BLOCK_RECIPES)))
+    return x.reshape(rows, cols), name, draw(ROLES), draw(st.sampled_from([0, 1]))
+
+
 #: name -> (strategy of the inputs tuple, the function run with each table)
 KERNELS: dict[str, tuple[Any, Callable[..., Any]]] = {
     "quantize": (
@@ -252,6 +301,15 @@ KERNELS: dict[str, tuple[Any, Callable[..., Any]]] = {
         ),
         _product_bits,
     ),
+    "blocks": (_block_inputs(), _blocks),
+    "elements": (
+        st.tuples(
+            st.lists(FLOAT32, min_size=24, max_size=24).map(_arr),
+            st.sampled_from(sorted(ke.ELEMENT_FORMATS)),
+            st.sampled_from([0, 7, -9, 126, 140, -127]),
+        ),
+        _elements,
+    ),
     "ring": (
         st.tuples(
             st.integers(1, 4).map(lambda n: np.zeros((n, 4), np.int32)),
@@ -261,6 +319,10 @@ KERNELS: dict[str, tuple[Any, Callable[..., Any]]] = {
         _ring,
     ),
 }
+
+
+#: per kernel, the hypothesis examples eagerly and compiled, where fewer than make_tests' own
+_FEW = {"blocks": (5, 2), "elements": (10, 3)}
 
 
 def make_tests(
@@ -283,9 +345,11 @@ def make_tests(
         if kernels is not None and name not in kernels:
             continue
         test = _parity_test(make_ops, name, fn, compile_with, suffix)
-        test = settings(
-            max_examples=max_examples, deadline=None, suppress_health_check=[HealthCheck.too_slow]
-        )(given(strategy)(test))
+        few = _FEW.get(name)  # the block kernels: few examples (every backend, eager and compiled)
+        examples = max_examples if few is None else few[compile_with is not None]
+        test = settings(max_examples=examples, deadline=None, suppress_health_check=[HealthCheck.too_slow])(
+            given(strategy)(test)
+        )
         tests[test.__name__] = test
     return tests
 

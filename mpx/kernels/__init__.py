@@ -7,13 +7,15 @@ and gets exactly the numpy table's bits:
 * :mod:`mpx.kernels.scale`: the loss scaler's transition (:func:`mpx.scaler_update`);
 * :mod:`mpx.kernels.float8`: FP8 quantize, the scale from an amax, the amax history;
 * :mod:`mpx.kernels.ring`: the scaler-history ring buffer;
+* :mod:`mpx.kernels.elements`: FP8/FP6/FP4 element codes (encode, decode);
+* :mod:`mpx.kernels.blocks`: block-scaled quantization (MX, NVFP4, blockwise and rowwise FP8);
 * :mod:`mpx.kernels.parity`: the checks a backend's parity test runs against numpy.
 
 No backend defines a float-bit helper, a quantize, a scale update or a ring buffer of
 its own; a new rule or format is one kernel here.
 """
 
-from mpx.kernels import bits, float8, ring, scale
+from mpx.kernels import bits, blocks, elements, float8, ring, scale
 from mpx.kernels.array_ops import DTYPE_NAMES, NUMPY_OPS, ArrayOps, NumpyOps
 
-__all__ = ["DTYPE_NAMES", "NUMPY_OPS", "ArrayOps", "NumpyOps", "bits", "float8", "ring", "scale"]
+__all__ = ["DTYPE_NAMES", "NUMPY_OPS", "ArrayOps", "NumpyOps", "bits", "blocks", "elements", "float8", "ring", "scale"]
