@@ -257,7 +257,7 @@ def convert(
             continue
         own = root.for_module(path, module_category(sub))
         recipe = own.fp8 if as_op_table(op_table).fp8_applies("linear", own) else None
-        if recipe is None:
+        if not isinstance(recipe, Float8Recipe):  # none, or a block recipe (mpx_torch.blocks converts those)
             if isinstance(sub, Float8Linear):
                 _revert(sub)
             continue
