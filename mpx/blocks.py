@@ -57,6 +57,7 @@ __all__ = [
     "SCALE_RULES",
     "BlockRecipe",
     "is_block_recipe_dict",
+    "refuse_block_recipe",
 ]
 
 #: The element formats (short name: ml_dtypes type name).
@@ -231,3 +232,15 @@ PRESETS: dict[str, BlockRecipe] = {
 #: The presets a spec's ``fp8=`` key names (FP8 elements) and those ``fp4=`` names (FP4 elements).
 FP8_PRESETS = tuple(name for name, r in PRESETS.items() if r.element in ("e4m3", "e5m2"))
 FP4_PRESETS = tuple(name for name, r in PRESETS.items() if r.element == "e2m1")
+
+
+def refuse_block_recipe(recipe: Any, where: str) -> None:
+    """Raise :class:`Float8Error` when ``recipe`` is a :class:`BlockRecipe` that ``where`` (a backend's
+    entry point, e.g. ``"mpx_jax.autocast"``) does not run yet; nothing otherwise."""
+    if isinstance(recipe, BlockRecipe):
+        raise Float8Error(
+            f"policy: {where} does not run block-scaled recipes yet ({recipe.name or 'a custom block recipe'}); "
+            "supported here: the per-tensor FP8 recipes (fp8=hybrid or fp8=e4m3 and their keys). "
+            "Block-scaled recipes run on torch (mpx_torch.prepare) and in the core's kernels "
+            "(mpx.kernels.blocks)."
+        )
