@@ -125,6 +125,20 @@ def _mul(o: ArrayOps, x: Any, s: Any) -> Any:
     return o.where(ok, exact, o.where(is_finite(o, sf), xf, o.mul(xf, sf)))
 
 
+def _recip(o: ArrayOps, s: Any) -> Any:
+    """``float32(1 / s)`` for a positive float32 ``s`` whose inverse is a normal float32 (or inf/NaN),
+    correctly rounded everywhere: ``2 / s`` halved on the bits.  (TensorFlow's graph optimizer turns
+    ``1 / s`` into an approximate reciprocal, one ulp off; ``2 / s`` stays a division.)"""
+    half = from_bits(o, o.sub(to_bits(o, o.div(2.0, s)), 1 << 23))
+    return o.where(is_finite(o, s), half, o.div(1.0, s))
+
+
+def _div_const(o: ArrayOps, x: Any, c: float) -> Any:
+    """``float32(x / c)`` correctly rounded for a Python float ``c``: the divisor is made from ``x``'s
+    bits, since TensorFlow's graph optimizer turns a division by a constant into an inexact product."""
+    return o.div(x, from_bits(o, o.bit_or(o.bit_and(to_bits(o, x), 0), bits_of(c))))
+
+
 def _geometry(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int, int, int]:
     rows, cols = shape
     br = rows if block[0] == 0 else block[0]
@@ -161,7 +175,7 @@ def _e8m0(o: ArrayOps, amax: Any, fmt: str, rule: str) -> Any:
     nan = o.lt(0x7F800000, b)
     if rule == "rceil":
         _, m, ea, zero = split(o, amax)
-        qb = to_bits(o, o.div(unit(o, m), f.max_value))  # a normal quotient, correctly rounded
+        qb = to_bits(o, _div_const(o, unit(o, m), f.max_value))  # a normal quotient, correctly rounded
         eq = o.sub(o.bit_and(o.shr(qb, 23), 0xFF), 127)
         fq = o.bit_and(qb, 0x7FFFFF)
         e = o.add(ea, eq)  # the exponent of float32(amax / max)
@@ -206,20 +220,20 @@ def quantize(o: ArrayOps, x: Any, recipe: BlockSpec, role: str, axis: int = 1) -
     elif recipe.scale in ("pow2", "float32"):
         mult = _f8.compute_scale(o, _Current(recipe.scale == "pow2"), amax, fmt)
         codes = elements.encode(o, _mul(o, blocks, mult), fmt)
-        scales = o.div(1.0, mult)
+        scales = _recip(o, mult)
     else:  # e4m3, e4m3_f32: NVFP4
         floor = bits_of(6.0 * 2.0**-126)
-        block_scale = o.div(from_bits(o, o.maximum(to_bits(o, amax), floor)), 6.0)
+        block_scale = _div_const(o, from_bits(o, o.maximum(to_bits(o, amax), floor)), 6.0)
         recip = None
         if recipe.scale == "e4m3_f32":
             t_amax = from_bits(o, o.max(o.bit_and(to_bits(o, xt), 0x7FFFFFFF)))
-            ts = o.div(t_amax, 448.0 * 6.0)
+            ts = _div_const(o, t_amax, 448.0 * 6.0)
             ts = o.where(o.lt(to_bits(o, ts), TINY_BITS), 2.0**-126, ts)
             block_scale = o.div(block_scale, ts)
-            recip, tensor_scale = o.div(1.0, ts), ts
+            recip, tensor_scale = _recip(o, ts), ts
         code = elements.encode(o, o.clip(block_scale, 2.0**-6, 448.0), "e4m3")
         sf = elements.decode(o, code, "e4m3")
-        r = o.div(1.0, sf) if recip is None else o.div(recip, sf)
+        r = _recip(o, sf) if recip is None else o.div(recip, sf)
         bad = o.eq(o.bit_and(code, 0x7F), 0x7F)
         codes = elements.encode(o, o.where(bad, nan, _mul(o, blocks, o.where(bad, 1.0, r))), fmt)
         scales = code
