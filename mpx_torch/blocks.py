@@ -29,14 +29,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from mpx import MPXError, OpTable, PolicySpec, UnsupportedTypeError, get_policy
+from mpx import MPXError, OpTable, PolicySpec, StateDictError, UnsupportedTypeError, get_policy
 from mpx.blocks import BlockRecipe
 from mpx.kernels import blocks as kernel
 from mpx.ops import as_op_table
 from mpx_torch._array_ops import ops_for
 from mpx_torch._categories import module_category
 
-__all__ = ["BlockLinear", "convert", "quantize"]
+__all__ = ["BlockLinear", "block_recipe_of", "convert", "quantize"]
 
 
 def quantize(x: torch.Tensor, recipe: BlockRecipe, role: str, axis: int = 1) -> kernel.BlockQuantized:
@@ -138,3 +138,18 @@ def convert(model: nn.Module, policy: PolicySpec, *, op_table: OpTable | None = 
         sub.block_recipe = recipe
         sub.block_gemm = "emulate"
     return model
+
+
+def block_recipe_of(model: nn.Module) -> BlockRecipe | None:
+    """The one block recipe of ``model``'s :class:`BlockLinear` modules (None without any): what its
+    ``mpx.float8/1`` dict holds (stateless: no tensors).
+
+    Raises:
+        mpx.StateDictError: when they use more than one recipe.
+    """
+    found = {m.block_recipe for m in model.modules() if isinstance(m, BlockLinear)}
+    if len(found) > 1:
+        raise StateDictError(
+            f"model: its block-scaled layers use {len(found)} different recipes; an mpx.float8/1 dict holds one"
+        )
+    return found.pop() if found else None

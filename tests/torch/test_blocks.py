@@ -137,3 +137,15 @@ def test_overrides_keep_modules_out_and_reconvert() -> None:
     assert all(type(m) is nn.Linear for m in model.modules() if isinstance(m, nn.Linear))
     with pytest.raises(mpx.UnsupportedTypeError, match="torch.nn.Module"):
         blocks.convert("model", "mixed_bfloat16,fp8=mxfp8")
+
+
+def test_float8_state_dict_of_a_block_model_is_stateless_and_round_trips() -> None:
+    from mpx_torch.float8 import float8_state_dict, load_float8_state_dict
+
+    model = mpx_torch.prepare(TinyTransformer(), "mixed_bfloat16,fp4=nvfp4")
+    d = float8_state_dict(model)
+    assert d["recipe"]["stateless"] is True and d["tensors"] == {} and d["recipe"]["element"] == "e2m1"
+    load_float8_state_dict(model, d)
+    other = mpx_torch.prepare(TinyTransformer(), "mixed_bfloat16,fp8=mxfp8")
+    with pytest.raises(mpx.StateDictError, match="block recipe"):
+        load_float8_state_dict(other, d)
