@@ -73,7 +73,7 @@ def _nan_blocks(x: np.ndarray, block: int) -> np.ndarray:
     return np.repeat(np.isnan(x.reshape(x.shape[0], -1, block)).any(-1), block, axis=1)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(arrays(32), st.sampled_from(sorted(ELEMENTS)), st.sampled_from(sorted(MODES)))
 def test_to_mx_matches_bit_for_bit(x, element, rule) -> None:
     recipe = BlockRecipe(element=element, scale_rule=rule)
@@ -96,7 +96,7 @@ def test_to_mx_matches_bit_for_bit(x, element, rule) -> None:
     np.testing.assert_array_equal(np.where(nan, 0, q.codes), np.where(nan, 0, want))
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(arrays(16, specials=False), st.booleans())
 def test_nvfp4_quantize_matches_bit_for_bit(x, two_level) -> None:
     t_amax = float(np.abs(x).max())
