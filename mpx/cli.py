@@ -108,6 +108,8 @@ def _recipe_text(policy: Policy) -> str:
     r = policy.fp8
     if r is None:
         return "none"
+    if not hasattr(r, "format"):  # a block-scaled recipe (mpx.blocks, #31)
+        return f"block-scaled {r.name or 'custom'}: {r.to_dict()}"
     formats = "e4m3 inputs and weights, e5m2 gradients" if r.format == "hybrid" else "e4m3 everywhere"
     if r.scaling == "delayed":
         scaling = f"delayed scaling (history {r.amax_history_len}, amax {r.amax_compute})"

@@ -80,6 +80,7 @@ from typing import Any
 
 import numpy as np
 
+from mpx.blocks import BlockRecipe, is_block_recipe_dict
 from mpx.errors import Float8Error, StateDictError
 from mpx.formats import FORMATS, fp8_max
 from mpx.kernels import float8 as _kernel
@@ -105,6 +106,7 @@ __all__ = [
     "load_state_dict",
     "one_recipe",
     "quantize",
+    "recipe_from_dict",
     "reduce_amaxes",
     "scale_inv",
     "state_dict",
@@ -189,6 +191,12 @@ class Float8Recipe:
         if unknown:
             raise Float8Error(f"recipe: unknown key {_show(unknown[0])}; allowed: {', '.join(names)}")
         return cls(**data)
+
+
+def recipe_from_dict(data: Mapping[str, Any]) -> Float8Recipe | BlockRecipe:
+    """A recipe dict read back: a :class:`mpx.blocks.BlockRecipe` when it says ``"kind": "block"``,
+    else a :class:`Float8Recipe` (either raises :class:`Float8Error` on a bad field)."""
+    return BlockRecipe.from_dict(data) if is_block_recipe_dict(data) else Float8Recipe.from_dict(data)
 
 
 def scale_inv(scale: float) -> float:
@@ -326,9 +334,17 @@ def float8_update(
     return Float8State(tensors)
 
 
-def state_dict(recipe: Float8Recipe, state: Float8State) -> dict[str, Any]:
+def state_dict(recipe: Float8Recipe | BlockRecipe, state: Float8State) -> dict[str, Any]:
     """The neutral JSON-safe state dict (format ``mpx.float8/1``) of a state of host values or of any
-    backend's arrays (read to the host here)."""
+    backend's arrays (read to the host here).
+
+    A :class:`mpx.blocks.BlockRecipe` is stateless: its dict holds the recipe (``"kind": "block"``,
+    ``"stateless": true``) and no tensors (``state`` must hold none).
+    """
+    if isinstance(recipe, BlockRecipe):
+        if state.tensors:
+            raise StateDictError("tensors: a block-scaled recipe is stateless; its state holds no tensors")
+        return {"format": FLOAT8_FORMAT, "recipe": {**recipe.to_dict(), "stateless": True}, "tensors": {}}
     return {
         "format": FLOAT8_FORMAT,
         "recipe": recipe.to_dict(),
@@ -419,8 +435,9 @@ def _f32_value(where: str, value: Any, *, positive: bool) -> float:
     return v
 
 
-def load_state_dict(data: Mapping[str, Any]) -> tuple[Float8Recipe, Float8State]:
-    """Read :func:`state_dict` back (host values), validating every field (all or nothing).
+def load_state_dict(data: Mapping[str, Any]) -> tuple[Float8Recipe | BlockRecipe, Float8State]:
+    """Read :func:`state_dict` back (host values), validating every field (all or nothing); a block
+    recipe's dict reads back as the :class:`mpx.blocks.BlockRecipe` and an empty state.
 
     Raises:
         StateDictError: naming the bad field.
@@ -432,6 +449,8 @@ def load_state_dict(data: Mapping[str, Any]) -> tuple[Float8Recipe, Float8State]
     extra = sorted(set(data) - {"format", "recipe", "tensors"})
     if extra:
         raise StateDictError(f"state dict: unknown key {extra[0]!r}; allowed: format, recipe, tensors")
+    if is_block_recipe_dict(data.get("recipe")):
+        return _load_block(data)
     try:
         recipe = Float8Recipe.from_dict(data.get("recipe", {}))
     except Float8Error as exc:
@@ -464,3 +483,17 @@ def load_state_dict(data: Mapping[str, Any]) -> tuple[Float8Recipe, Float8State]
         )
         tensors[name] = TensorScale(entry["role"], scale, values)
     return recipe, Float8State(tensors)
+
+
+def _load_block(data: Mapping[str, Any]) -> tuple[BlockRecipe, Float8State]:
+    """A block recipe's ``mpx.float8/1`` dict: the recipe, ``stateless: true`` and no tensors."""
+    fields = dict(data["recipe"])
+    if fields.pop("stateless", None) is not True:
+        raise StateDictError("recipe.stateless: expected true (a block-scaled recipe keeps no state)")
+    try:
+        recipe = BlockRecipe.from_dict(fields)
+    except Float8Error as exc:
+        raise StateDictError(f"recipe: {exc}") from None
+    if data.get("tensors") != {}:
+        raise StateDictError("tensors: a block-scaled recipe is stateless; expected an empty mapping")
+    return recipe, Float8State({})

@@ -35,9 +35,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from mpx.blocks import BlockRecipe
 from mpx.dtypes import HALF_DTYPES
 from mpx.errors import Float8Error, PolicyError
-from mpx.float8 import Float8Recipe
+from mpx.float8 import Float8Recipe, recipe_from_dict
 from mpx.policy_spec import (
     CATEGORIES,
     FP8_KEYS,
@@ -151,7 +152,7 @@ class Policy:
     keep_fp32: tuple[str, ...] | None = None
     overrides: tuple[Override, ...] = ()
     reduce_dtype: str | None = dataclasses.field(default=None, kw_only=True)
-    fp8: Float8Recipe | None = dataclasses.field(default=None, kw_only=True)
+    fp8: Float8Recipe | BlockRecipe | None = dataclasses.field(default=None, kw_only=True)
     master_dtype: str | None = dataclasses.field(default=None, kw_only=True)
     update: str = dataclasses.field(default="plain", kw_only=True)
     opt_state: str = dataclasses.field(default="float32", kw_only=True)
@@ -169,9 +170,10 @@ class Policy:
             raise PolicyError("overrides: expected a sequence of Override rules or (selector, spec) pairs")
         set_(self, "overrides", tuple(_as_override(rule) for rule in self.overrides))
         if self.fp8 is not None:
-            if not isinstance(self.fp8, Float8Recipe):
+            if not isinstance(self.fp8, (Float8Recipe, BlockRecipe)):
                 raise PolicyError(
-                    f"fp8: expected an mpx.Float8Recipe or None, got {type(self.fp8).__name__}; "
+                    f"fp8: expected an mpx.Float8Recipe or None, got {type(self.fp8).__name__} "
+                    "(or an mpx.blocks.BlockRecipe); "
                     "in a spec write fp8=hybrid, fp8=e4m3 or fp8=none"
                 )
             if self.compute_dtype == "float64":
@@ -328,7 +330,7 @@ class Policy:
         recipe = data.get("fp8")
         if recipe is not None:
             try:
-                recipe = Float8Recipe.from_dict(recipe)
+                recipe = recipe_from_dict(recipe)
             except Float8Error as err:
                 raise PolicyError(f"policy dict: fp8: {err}") from None
         return cls(
@@ -377,8 +379,11 @@ MEMORY_PRESETS: dict[str, Policy] = {
 }
 
 
-def _fp8_text(recipe: Float8Recipe) -> str:
+def _fp8_text(recipe: Float8Recipe | BlockRecipe) -> str:
     """``,fp8=FORMAT`` and every recipe key that differs from the default, in :data:`FP8_KEYS` order."""
+    if isinstance(recipe, BlockRecipe):  # a preset's name; a custom block recipe has no spec spelling
+        key = "fp4" if recipe.element == "e2m1" else "fp8"
+        return f",{key}={recipe.name or 'custom_block_recipe'}"
     text = f",fp8={recipe.format}"
     for key, field in FP8_KEYS.items():
         value = getattr(recipe, field)

@@ -18,9 +18,11 @@ import dataclasses
 import re
 from typing import Any
 
+from mpx.blocks import FP4_PRESETS, FP8_PRESETS, BlockRecipe
+from mpx.blocks import PRESETS as BLOCK_PRESETS
 from mpx.dtypes import FLOATING_DTYPES, HALF_DTYPES, canonical_dtype
 from mpx.errors import DTypeError, PolicyError
-from mpx.float8 import Float8Recipe
+from mpx.float8 import Float8Recipe, recipe_from_dict
 from mpx.update_policy import UPDATE_KEYS, UPDATE_PRESETS, check_fields
 
 __all__ = [
@@ -155,7 +157,7 @@ def _policy_dict(params: str, compute: str, output: str, **fields: Any) -> dict[
 
 
 _FP8_ALLOWED = {
-    "fp8": "hybrid, e4m3 or none",
+    "fp8": f"hybrid, e4m3 or none, or a block preset ({', '.join(FP8_PRESETS)})",
     "fp8_scaling": "delayed or current",
     "fp8_history": "an int in [1, 2**31 - 1] (amaxes remembered by delayed scaling)",
     "fp8_amax": "max or most_recent",
@@ -174,10 +176,11 @@ _KEYS: dict[str, str] = {
     "keep_fp32": "keep_fp32",
     **{key: key for key in FP8_KEYS},
     **{key: key for key in UPDATE_KEYS},
+    "fp4": "fp4",
 }
 _GRAMMAR = (
     "params=DTYPE,compute=DTYPE,output=DTYPE[,reduce=DTYPE][,keep_fp32=CATS][,fp8=hybrid|e4m3|none]"
-    "[,fp8_scaling=..,fp8_history=..,fp8_amax=..,fp8_margin=..,fp8_pow2=..]"
+    "[,fp8_scaling=..,fp8_history=..,fp8_amax=..,fp8_margin=..,fp8_pow2=..][,fp4=nvfp4|mxfp4]"
     "[,master=DTYPE][,update=plain|kahan|stochastic][,opt_state=float32|bfloat16|int8:BLOCK][,@SELECTOR={SPEC}]"
 )
 #: The key form, as error messages show it.
@@ -196,16 +199,50 @@ def _fp8_value(spec: str, key: str, raw: str) -> Any:
         if raw not in ("true", "false"):
             raise bad
         return raw == "true"
-    allowed = {"fp8": ("hybrid", "e4m3", "none"), "fp8_scaling": ("delayed", "current"),
+    allowed = {"fp8": ("hybrid", "e4m3", "none", *FP8_PRESETS), "fp8_scaling": ("delayed", "current"),
                "fp8_amax": ("max", "most_recent")}[key]  # fmt: skip
     if raw not in allowed:
         raise bad
     return raw
 
 
-def _fp8_recipe(spec: str, values: dict[str, str], base: Float8Recipe | None) -> Float8Recipe | None:
+def _block_recipe(spec: str, values: dict[str, str], base: Any) -> tuple[Any, bool]:
+    """Block-scaled recipes (#31): ``fp8=<block preset>`` or ``fp4=<block preset>`` names a
+    :class:`mpx.blocks.BlockRecipe`, which takes none of the per-tensor keys.  Returns the recipe (or
+    ``base``) and whether the spec's keys named one."""
+    fp4 = values.get("fp4")
+    if fp4 is not None:
+        if fp4 not in (*FP4_PRESETS, "none"):
+            raise PolicyError(
+                f"policy spec {spec!r}: fp4: {fp4!r} is not allowed; allowed: {', '.join(FP4_PRESETS)} or none"
+            )
+        if "fp8" in values:
+            raise PolicyError(f"policy spec {spec!r}: fp4 and fp8 both name a recipe; give one of them")
+    name = fp4 or values.get("fp8")
+    if name in BLOCK_PRESETS:
+        recipe = BLOCK_PRESETS[name]
+    elif fp4 == "none":
+        recipe = None
+    elif name is None and isinstance(base, BlockRecipe):
+        recipe = base
+    else:  # a per-tensor format (or none) replaces a parent's block recipe
+        return (None if isinstance(base, BlockRecipe) else base), False
+    if isinstance(recipe, BlockRecipe):
+        key = next((k for k in FP8_KEYS if k != "fp8" and k in values), None)
+        if key is not None:
+            raise PolicyError(
+                f"policy spec {spec!r}: {key} is a per-tensor FP8 key and the block recipe "
+                f"{recipe.name or 'of this policy'} has no such field; drop the key"
+            )
+    return recipe, True
+
+
+def _fp8_recipe(spec: str, values: dict[str, str], base: Any) -> Any:
     """The recipe of a spec from its FP8 keys, starting from ``base`` (a preset's or the parent's)."""
-    recipe = base
+    block, named = _block_recipe(spec, values, base)
+    if named:
+        return block
+    recipe = base = block
     if "fp8" in values:
         fmt = _fp8_value(spec, "fp8", values["fp8"])
         recipe = None if fmt == "none" else dataclasses.replace(recipe or _FP8_DEFAULT, format=fmt)
@@ -354,7 +391,7 @@ def _parse(text: str, *, nested: bool, parent: dict[str, Any] | None = None) -> 
                     f"({'+'.join(CATEGORIES)}) or 'none'"
                 )
             keep = categories([part.strip() for part in parts])
-    base_recipe = None if base is None or base["fp8"] is None else Float8Recipe.from_dict(base["fp8"])
+    base_recipe = None if base is None or base["fp8"] is None else recipe_from_dict(base["fp8"])
     recipe = _fp8_recipe(spec, values, base_recipe)
     if recipe is not None and compute == "float64":
         raise PolicyError(

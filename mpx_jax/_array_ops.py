@@ -170,6 +170,21 @@ class JaxOps(ArrayOps):
     def stack(self, xs: Sequence[Any]) -> Any:
         return jnp.stack(list(xs))
 
+    def max_last(self, x: Any) -> Any:
+        return jnp.max(x, axis=-1, keepdims=True)
+
+    def reshape(self, x: Any, shape: tuple[int, ...]) -> Any:
+        return jnp.reshape(x, shape)
+
+    def transpose(self, x: Any, perm: tuple[int, ...]) -> Any:
+        return jnp.transpose(x, perm)
+
+    def pad(self, x: Any, shape: tuple[int, ...]) -> Any:
+        return jnp.pad(x, [(0, n - m) for m, n in zip(x.shape, shape, strict=True)])
+
+    def crop(self, x: Any, shape: tuple[int, ...]) -> Any:
+        return x[tuple(slice(0, n) for n in shape)]
+
     def first(self, x: Any) -> Any:
         return _array(x)[0]
 
@@ -179,9 +194,6 @@ class JaxOps(ArrayOps):
 
     def get_row(self, rows: Any, index: Any) -> Any:
         return lax.dynamic_index_in_dim(rows, index, axis=0, keepdims=False)
-
-    def reshape(self, x: Any, shape: tuple[int, ...]) -> Any:
-        return jnp.reshape(x, shape)
 
     def row_max(self, x: Any) -> Any:
         return jnp.max(x, axis=1)

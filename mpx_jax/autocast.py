@@ -151,6 +151,7 @@ import jax
 import numpy as np
 
 import mpx
+from mpx.blocks import refuse_block_recipe
 from mpx.ops import OpTable
 from mpx.policy import PolicySpec
 from mpx_jax._autocast_interpreter import (
@@ -212,6 +213,8 @@ def autocast(
         )
     if not isinstance(strict, bool):
         raise mpx.MPXError(f"strict: expected True or False, got {type(strict).__name__}")
+    for rule_policy in (pol, *(rule.policy for rule in pol.overrides)):
+        refuse_block_recipe(rule_policy.fp8, "mpx_jax.autocast")
     if pol.fp8 is not None and pol.fp8.scaling != "current":
         raise mpx.Float8Error(
             f"policy: mpx_jax.autocast runs FP8 with current scaling only (a function transform keeps "

@@ -51,6 +51,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mpx import float8 as core
+from mpx.blocks import refuse_block_recipe
 from mpx.errors import UnsupportedTypeError
 from mpx.float8 import ROLES, Float8Error, Float8Recipe, check_model_state, one_recipe, tensor_key
 from mpx.kernels import float8 as kf8
@@ -88,6 +89,7 @@ FLOAT8_GRADS = nnx.DiffState(0, nnx.Any(nnx.Param, Float8Amax))
 
 
 def _recipe(recipe: Float8Recipe | Policy) -> Float8Recipe:
+    refuse_block_recipe(recipe.fp8 if isinstance(recipe, Policy) else recipe, "mpx_jax's Flax layers")
     if isinstance(recipe, Policy):
         if recipe.fp8 is None:
             raise Float8Error(

@@ -32,6 +32,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from mpx.blocks import refuse_block_recipe
 from mpx.float8 import ROLES, Float8Recipe
 from mpx.kernels import float8 as kf8
 from mpx_jax import float8 as f8
@@ -60,6 +61,7 @@ class Float8Dense(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
+        refuse_block_recipe(self.recipe, "mpx_jax.float8_linen.Float8Dense")
         x = jnp.asarray(x)
         kernel = self.param(
             "kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features), self.param_dtype

@@ -196,6 +196,21 @@ class KerasOps(ArrayOps):
     def stack(self, xs: Sequence[Any]) -> Any:
         return ops.stack(list(xs))
 
+    def max_last(self, x: Any) -> Any:
+        return ops.max(x, axis=-1, keepdims=True)
+
+    def reshape(self, x: Any, shape: tuple[int, ...]) -> Any:
+        return ops.reshape(x, shape)
+
+    def transpose(self, x: Any, perm: tuple[int, ...]) -> Any:
+        return ops.transpose(x, perm)
+
+    def pad(self, x: Any, shape: tuple[int, ...]) -> Any:
+        return ops.pad(x, [(0, n - m) for m, n in zip(x.shape, shape, strict=True)])
+
+    def crop(self, x: Any, shape: tuple[int, ...]) -> Any:
+        return x[tuple(slice(0, n) for n in shape)]
+
     def first(self, x: Any) -> Any:
         return x[0]
 
@@ -206,9 +221,6 @@ class KerasOps(ArrayOps):
     def get_row(self, rows: Any, index: Any) -> Any:
         start = [ops.cast(index, "int32"), ops.zeros((), "int32")]
         return ops.slice(rows, start, (1, rows.shape[1]))[0]
-
-    def reshape(self, x: Any, shape: tuple[int, ...]) -> Any:
-        return ops.reshape(x, shape)
 
     def row_max(self, x: Any) -> Any:
         return ops.max(x, axis=1)

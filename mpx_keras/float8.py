@@ -41,6 +41,7 @@ import keras
 import numpy as np
 
 import mpx
+from mpx.blocks import refuse_block_recipe
 from mpx.errors import MPXError, StateDictError, UnsupportedTypeError
 from mpx.float8 import (
     ROLES,
@@ -254,6 +255,7 @@ def convert(
         plain, fp8_class, op = target
         own = root.for_module(path, category_of(layer))
         recipe = own.fp8 if mpx.ops.as_op_table(table).fp8_applies(op, own) else None
+        refuse_block_recipe(recipe, "mpx_keras.apply_policy")
         where = path or layer.name
         if recipe is not None and (getattr(layer, "lora_enabled", False) or layer.quantization_mode):
             raise MPXError(f"layer {where!r}: FP8 cannot run on a layer with LoRA or Keras quantization.")

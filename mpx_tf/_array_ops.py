@@ -175,6 +175,21 @@ class TensorFlowOps(ArrayOps):
     def stack(self, xs: Sequence[Any]) -> Any:
         return tf.stack(list(xs))
 
+    def max_last(self, x: Any) -> Any:
+        return tf.reduce_max(x, axis=-1, keepdims=True)
+
+    def reshape(self, x: Any, shape: tuple[int, ...]) -> Any:
+        return tf.reshape(x, shape)
+
+    def transpose(self, x: Any, perm: tuple[int, ...]) -> Any:
+        return tf.transpose(x, perm)
+
+    def pad(self, x: Any, shape: tuple[int, ...]) -> Any:
+        return tf.pad(x, [(0, n - m) for m, n in zip(x.shape, shape, strict=True)])
+
+    def crop(self, x: Any, shape: tuple[int, ...]) -> Any:
+        return x[tuple(slice(0, n) for n in shape)]
+
     def first(self, x: Any) -> Any:
         return tf.convert_to_tensor(x)[0]
 
@@ -184,9 +199,6 @@ class TensorFlowOps(ArrayOps):
 
     def get_row(self, rows: Any, index: Any) -> Any:
         return tf.gather(rows, index)
-
-    def reshape(self, x: Any, shape: tuple[int, ...]) -> Any:
-        return tf.reshape(x, shape)
 
     def row_max(self, x: Any) -> Any:
         return tf.reduce_max(x, axis=1)

@@ -218,6 +218,22 @@ class TorchOps(ArrayOps):
         like = next((x for x in xs if isinstance(x, torch.Tensor)), None)
         return torch.stack([self._tensor(x, like) for x in xs])
 
+    def max_last(self, x: Any) -> Any:
+        return torch.amax(x, dim=-1, keepdim=True)
+
+    def reshape(self, x: Any, shape: tuple[int, ...]) -> Any:
+        return torch.reshape(x, shape)
+
+    def transpose(self, x: Any, perm: tuple[int, ...]) -> Any:
+        return torch.permute(x, perm)
+
+    def pad(self, x: Any, shape: tuple[int, ...]) -> Any:
+        widths = [w for m, n in zip(reversed(x.shape), reversed(shape), strict=True) for w in (0, n - m)]
+        return torch.nn.functional.pad(x, widths) if any(widths) else x
+
+    def crop(self, x: Any, shape: tuple[int, ...]) -> Any:
+        return x[tuple(slice(0, n) for n in shape)]
+
     def first(self, x: Any) -> Any:
         return x[0]
 
@@ -226,9 +242,6 @@ class TorchOps(ArrayOps):
 
     def get_row(self, rows: Any, index: Any) -> Any:
         return torch.index_select(rows, 0, self._tensor(index).reshape(1)).reshape(rows.shape[1:])
-
-    def reshape(self, x: Any, shape: tuple[int, ...]) -> Any:
-        return x.reshape(shape)
 
     def row_max(self, x: Any) -> Any:
         return torch.amax(x, dim=1)

@@ -46,15 +46,17 @@ from mpx import (
     MPXError,
     OpTable,
     PolicySpec,
+    StateDictError,
     UnsupportedTypeError,
     get_policy,
 )
+from mpx.blocks import BlockRecipe
 from mpx.float8 import ROLES, Float8State, TensorScale, check_model_state, one_recipe, tensor_key
 from mpx.float8 import load_state_dict as _core_load
 from mpx.float8 import state_dict as _core_state_dict
 from mpx.kernels import float8 as kernel
 from mpx.ops import as_op_table
-from mpx_torch import _float8_ops
+from mpx_torch import _float8_ops, blocks
 from mpx_torch._array_ops import ops_for
 from mpx_torch._categories import module_category
 from mpx_torch._float8_ops import quantize as quantize
@@ -257,7 +259,7 @@ def convert(
             continue
         own = root.for_module(path, module_category(sub))
         recipe = own.fp8 if as_op_table(op_table).fp8_applies("linear", own) else None
-        if recipe is None:
+        if not isinstance(recipe, Float8Recipe):  # none, or a block recipe (mpx_torch.blocks converts those)
             if isinstance(sub, Float8Linear):
                 _revert(sub)
             continue
@@ -395,6 +397,9 @@ def float8_state_dict(model: nn.Module) -> dict[str, Any]:
         mpx.StateDictError: when the model's FP8 modules use different recipes.
     """
     recipe, modules = _recipe_of(model)
+    block = blocks.block_recipe_of(model)
+    if block is not None and not modules:  # block-scaled layers only: the recipe, stateless (#31)
+        return _core_state_dict(block, Float8State({}))
     tensors = {}
     for path, module in modules:
         scales = module.fp8_scale.tolist()
@@ -415,6 +420,10 @@ def load_float8_state_dict(model: nn.Module, state_dict: Mapping[str, Any]) -> N
     """
     recipe, state = _core_load(state_dict)
     own, modules = _recipe_of(model)
+    if isinstance(recipe, BlockRecipe) or (blocks.block_recipe_of(model) is not None and not modules):
+        if recipe != blocks.block_recipe_of(model):
+            raise StateDictError("recipe: the state dict's recipe differs from the model's block recipe")
+        return  # stateless: nothing to load
     check_model_state(recipe, state, own if modules else None, [path for path, _ in modules])
     expected = {
         tensor_key(path, role): (module, i) for path, module in modules for i, role in enumerate(ROLES)

@@ -27,7 +27,7 @@ from mpx import (
     warn_if_slow,
     widest_dtype,
 )
-from mpx_torch import _compat, float8
+from mpx_torch import _compat, blocks, float8
 from mpx_torch._categories import module_category
 from mpx_torch._compile import compiling
 from mpx_torch._recompute import RecomputedForward
@@ -318,5 +318,6 @@ def prepare(
                 sub.register_forward_hook(hooks.exit, prepend=True, always_call=True),
             )
             sub.__dict__[_ATTRIBUTE] = hooks
+    blocks.convert(module, root, op_table=op_table)  # block-scaled Linears (fp8=mxfp8, fp4=nvfp4...; #31)
     float8.convert(module, root, op_table=op_table)  # FP8 Linears where the policy says fp8=; else nothing
     return module

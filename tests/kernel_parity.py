@@ -24,8 +24,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import mpx
+from mpx.blocks import PRESETS as BLOCK_PRESETS
+from mpx.blocks import BlockRecipe
 from mpx.kernels import NUMPY_OPS, ArrayOps
-from mpx.kernels import blockwise as kb
+from mpx.kernels import blocks as kb
+from mpx.kernels import blockwise as kbw
+from mpx.kernels import elements as ke
 from mpx.kernels import float8 as kf
 from mpx.kernels import ring as kr
 from mpx.kernels import rounding as kround
@@ -228,8 +232,8 @@ def _kahan_add(o: ArrayOps, w: Any, c: Any, u: Any) -> Any:
 
 
 def _blockwise(o: ArrayOps, flat: Any, block: int) -> Any:
-    q, absmax = kb.quantize(o, flat, block)
-    return q, absmax, kb.dequantize(o, q, absmax, int(flat.shape[0]))
+    q, absmax = kbw.quantize(o, flat, block)
+    return q, absmax, kbw.dequantize(o, q, absmax, int(flat.shape[0]))
 
 
 def _arr(values: list[float]) -> np.ndarray:
@@ -268,6 +272,44 @@ def _tensor_inputs(t: tuple[Any, ...]) -> tuple[Any, ...]:
     recipe, role, scale, history, amax, skip = t
     hist = _arr(history[: recipe.amax_history_len]) if recipe.scaling == "delayed" else _arr([])
     return recipe, role, np.float32(scale), hist, np.float32(amax), skip
+
+
+def _blocks(o: ArrayOps, x: Any, name: str, role: str, axis: int) -> Any:
+    recipe = BLOCK_RECIPES[name]
+    q = kb.quantize(o, x, recipe, role, axis)
+    ts = o.float32(0.0) if q.tensor_scale is None else q.tensor_scale
+    return q.codes, q.scales, ts, kb.dequantize(o, q, recipe, role, axis)
+
+
+def _elements(o: ArrayOps, x: Any, fmt: str, shift: int) -> Any:
+    codes = ke.encode(o, x, fmt, shift)
+    return codes, ke.decode(o, codes, fmt)
+
+
+#: the block recipes the parity tests draw: every preset, and the E8M0 rules with FP6 and e5m2 elements
+BLOCK_RECIPES = {
+    **BLOCK_PRESETS,
+    "e5m2_even": BlockRecipe(element="e5m2", scale_rule="even", weight_block="8x8"),
+    "e2m3_rceil": BlockRecipe(element="e2m3", scale_rule="rceil", input_block="1x4"),
+    "e3m2_tensor": BlockRecipe(element="e3m2", input_block="tensor", grad_block="row"),
+    "e5m2_f32": BlockRecipe(element="e5m2", scale="float32", scale_rule="nearest"),
+}
+
+
+@st.composite
+def _block_inputs(draw: Any) -> tuple[Any, ...]:
+    rows, cols = 17, 33  # one shape no block divides (eager JAX compiles each op per shape: keep it one)
+    kind = draw(st.sampled_from(["any", "normal", "zero_rows"]))
+    if kind == "any":
+        x = np.asarray(draw(st.lists(FLOAT32, min_size=rows * cols, max_size=rows * cols)), np.float32)
+    else:
+        seed = draw(st.integers(0, 2**16))
+        rng = np.random.default_rng(seed)
+        x = (rng.standard_normal(rows * cols) * np.exp(rng.uniform(-90, 90))).astype(np.float32)
+        if kind == "zero_rows":
+            x[: cols * (rows // 2)] = 0.0
+    name = draw(st.sampled_from(sorted(BLOCK_RECIPES)))
+    return x.reshape(rows, cols), name, draw(ROLES), draw(st.sampled_from([0, 1]))
 
 
 #: name -> (strategy of the inputs tuple, the function run with each table)
@@ -317,6 +359,15 @@ KERNELS: dict[str, tuple[Any, Callable[..., Any]]] = {
         ),
         _blockwise,
     ),
+    "blocks": (_block_inputs(), _blocks),
+    "elements": (
+        st.tuples(
+            st.lists(FLOAT32, min_size=24, max_size=24).map(_arr),
+            st.sampled_from(sorted(ke.ELEMENT_FORMATS)),
+            st.sampled_from([0, 7, -9, 126, 140, -127]),
+        ),
+        _elements,
+    ),
     "ring": (
         st.tuples(
             st.integers(1, 4).map(lambda n: np.zeros((n, 4), np.int32)),
@@ -330,6 +381,9 @@ KERNELS: dict[str, tuple[Any, Callable[..., Any]]] = {
 
 #: kernels run with fewer examples than a backend asks for (a 10-round generator is many ops per call)
 _MAX_EXAMPLES = {"round_bf16": 10, "stochastic_round": 6, "kahan_add": 8, "blockwise_int8": 5}
+#: per kernel, the hypothesis examples eagerly and compiled, where fewer than make_tests' own (eager JAX
+#: compiles every op for each new block geometry: about 3 s an example)
+_FEW = {"blocks": (3, 3), "elements": (10, 3)}
 
 
 def make_tests(
@@ -352,11 +406,12 @@ def make_tests(
         if kernels is not None and name not in kernels:
             continue
         test = _parity_test(make_ops, name, fn, compile_with, suffix)
-        test = settings(
-            max_examples=min(max_examples, _MAX_EXAMPLES.get(name, max_examples)),
-            deadline=None,
-            suppress_health_check=[HealthCheck.too_slow],
-        )(given(strategy)(test))
+        few = _FEW.get(name)  # the block kernels: few examples (every backend, eager and compiled)
+        examples = min(max_examples, _MAX_EXAMPLES.get(name, max_examples))
+        examples = examples if few is None else few[compile_with is not None]
+        test = settings(max_examples=examples, deadline=None, suppress_health_check=[HealthCheck.too_slow])(
+            given(strategy)(test)
+        )
         tests[test.__name__] = test
     return tests
 

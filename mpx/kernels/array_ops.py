@@ -167,6 +167,27 @@ class ArrayOps:
         """Scalars (or arrays of one shape) stacked along a new first axis."""
         raise NotImplementedError
 
+    # -- shapes (the block-scaled kernels, :mod:`mpx.kernels.blocks`) -------------------------
+    def max_last(self, x: Any) -> Any:
+        """The largest element along the last axis, kept as an axis of length 1 (int32 ``x``)."""
+        raise NotImplementedError
+
+    def reshape(self, x: Any, shape: tuple[int, ...]) -> Any:
+        """``x`` reshaped (row-major) to ``shape`` (Python ints; one ``-1`` allowed)."""
+        raise NotImplementedError
+
+    def transpose(self, x: Any, perm: tuple[int, ...]) -> Any:
+        """``x`` with its axes permuted by ``perm``."""
+        raise NotImplementedError
+
+    def pad(self, x: Any, shape: tuple[int, ...]) -> Any:
+        """``x`` padded with zeros at the end of each axis to ``shape`` (each >= ``x``'s)."""
+        raise NotImplementedError
+
+    def crop(self, x: Any, shape: tuple[int, ...]) -> Any:
+        """The leading ``shape`` corner of ``x`` (``x[:shape[0], :shape[1], ...]``)."""
+        raise NotImplementedError
+
     def first(self, x: Any) -> Any:
         """``x[0]`` of a 1-D array (a scalar)."""
         raise NotImplementedError
@@ -177,10 +198,6 @@ class ArrayOps:
 
     def get_row(self, rows: Any, index: Any) -> Any:
         """``rows[index]`` of a 2-D array, ``index`` an int32 scalar array."""
-        raise NotImplementedError
-
-    def reshape(self, x: Any, shape: tuple[int, ...]) -> Any:
-        """``x`` in ``shape`` (row-major; one ``-1`` allowed)."""
         raise NotImplementedError
 
     def row_max(self, x: Any) -> Any:
@@ -335,6 +352,22 @@ class NumpyOps(ArrayOps):
     def stack(self, xs: Sequence[Any]) -> Any:
         return np.stack([np.asarray(x) for x in xs])
 
+    def max_last(self, x: Any) -> Any:
+        return np.max(x, axis=-1, keepdims=True)
+
+    def reshape(self, x: Any, shape: tuple[int, ...]) -> Any:
+        return np.reshape(x, shape)
+
+    def transpose(self, x: Any, perm: tuple[int, ...]) -> Any:
+        return np.transpose(x, perm)
+
+    def pad(self, x: Any, shape: tuple[int, ...]) -> Any:
+        x = np.asarray(x)
+        return np.pad(x, [(0, n - m) for m, n in zip(x.shape, shape, strict=True)])
+
+    def crop(self, x: Any, shape: tuple[int, ...]) -> Any:
+        return np.asarray(x)[tuple(slice(0, n) for n in shape)]
+
     def first(self, x: Any) -> Any:
         return np.asarray(x)[0]
 
@@ -344,9 +377,6 @@ class NumpyOps(ArrayOps):
 
     def get_row(self, rows: Any, index: Any) -> Any:
         return np.asarray(rows)[int(index)]
-
-    def reshape(self, x: Any, shape: tuple[int, ...]) -> Any:
-        return np.reshape(np.asarray(x), shape)
 
     def row_max(self, x: Any) -> Any:
         return np.max(np.asarray(x), axis=1)

@@ -1,0 +1,155 @@
+"""Block-scaled GEMMs for PyTorch: a policy's :class:`mpx.blocks.BlockRecipe` on ``nn.Linear`` modules.
+
+:func:`convert` (which :func:`mpx_torch.prepare` runs) turns every ``nn.Linear`` whose policy
+names a block recipe (``mixed_bfloat16,fp8=mxfp8``, ``fp4=nvfp4``; ``@head={fp8=none}`` keeps a
+module out) into a :class:`BlockLinear`, in place: the same object and parameters.  Each of its
+three GEMMs quantizes both operands with the core's kernel (:func:`mpx.kernels.blocks.quantize`
+run with the torch table: the bytes and scales are the core's) along that GEMM's reduction
+dimension (:data:`mpx.kernels.blocks.GEMM_OPERANDS`: forward ``x``, ``w`` along K; input
+gradient ``dy``, ``w`` along N; weight gradient ``dy``, ``x`` along M), each copy from the
+high-precision tensor, then multiplies the dequantized operands in float32.  A GEMM with an inf
+or NaN operand returns NaN (the quantization saturates an inf), so a loss scaler sees the overflow.
+
+The GEMM is emulated (``BlockLinear.block_gemm == "emulate"``) on every device in this version:
+``torch._scaled_mm`` with block scales is not wired in, so a CUDA device runs the same emulation
+and says so in the label.  Block recipes are stateless: there is nothing to commit, and a step
+the loss scaler skips changes nothing.
+
+>>> import torch
+>>> from mpx_torch import blocks
+>>> model = blocks.convert(torch.nn.Sequential(torch.nn.Linear(32, 4)), "mixed_bfloat16,fp8=mxfp8")
+>>> type(model[0]).__name__, model[0].block_gemm
+('BlockLinear', 'emulate')
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from mpx import MPXError, OpTable, PolicySpec, StateDictError, UnsupportedTypeError, get_policy
+from mpx.blocks import BlockRecipe
+from mpx.kernels import blocks as kernel
+from mpx.ops import as_op_table
+from mpx_torch._array_ops import ops_for
+from mpx_torch._categories import module_category
+
+__all__ = ["BlockLinear", "block_recipe_of", "convert", "quantize"]
+
+
+def quantize(x: torch.Tensor, recipe: BlockRecipe, role: str, axis: int = 1) -> kernel.BlockQuantized:
+    """A 2-D tensor quantized by the core's kernel with the torch table (int32 codes, per-block scales)."""
+    return kernel.quantize(ops_for(x.device), x.detach(), recipe, role, axis)
+
+
+def _qdq(x: torch.Tensor, recipe: BlockRecipe, role: str, axis: int) -> torch.Tensor:
+    """``x`` (2-D) quantized and dequantized: the float32 operand the GEMM multiplies."""
+    o = ops_for(x.device)
+    return kernel.dequantize(o, kernel.quantize(o, x.detach(), recipe, role, axis), recipe, role, axis)
+
+
+def _poison(y: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``y``, or NaN everywhere when an operand holds inf or NaN (quantization saturates an inf, which
+    would hide an overflow from the loss scaler: :func:`mpx.float8.fp8_dot`'s rule); no host sync."""
+    finite = torch.logical_and(torch.isfinite(a).all(), torch.isfinite(b).all())
+    return torch.where(finite, y, torch.full_like(y, float("nan")))
+
+
+class _BlockLinearFunction(torch.autograd.Function):
+    """``y = x @ w.T (+ b)`` with each GEMM's operands block-quantized (see the module docs)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, recipe: BlockRecipe,
+                out_dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+        ctx.save_for_backward(x, w)
+        ctx.recipe, ctx.has_bias = recipe, b is not None
+        y = _poison(_qdq(x, recipe, "input", 1) @ _qdq(w, recipe, "weight", 1).T, x, w)
+        if b is not None:
+            y = y + b.float()
+        return y.to(out_dtype)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
+        x, w = ctx.saved_tensors
+        recipe = ctx.recipe
+        dy = dy.float()
+        dx = _poison(_qdq(dy, recipe, "grad", 1) @ _qdq(w, recipe, "weight", 0), dy, w)
+        dw = _poison(_qdq(dy, recipe, "grad", 0).T @ _qdq(x, recipe, "input", 0), dy, x)
+        db = dy.sum(0).to(w.dtype) if ctx.has_bias else None
+        return dx.to(x.dtype), dw.to(w.dtype), db, None, None
+
+
+class BlockLinear(nn.Linear):
+    """An ``nn.Linear`` whose GEMMs run block-scaled (made by :func:`convert`, never directly).
+
+    Attributes:
+        block_recipe: the :class:`mpx.blocks.BlockRecipe`.
+        block_gemm: ``"emulate"`` (see the module docs).
+    """
+
+    block_recipe: BlockRecipe
+    block_gemm: str
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        device_type = input.device.type
+        out_dtype = (
+            torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else input.dtype
+        )
+        with torch.autocast(device_type, enabled=False):
+            x2 = input.reshape(-1, input.shape[-1])
+            y = _BlockLinearFunction.apply(x2, self.weight, self.bias, self.block_recipe, out_dtype)
+        return y.reshape(*input.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        name = self.block_recipe.name or "custom block recipe"
+        return f"{super().extra_repr()}, recipe={name}, gemm={self.block_gemm}"
+
+
+def convert(model: nn.Module, policy: PolicySpec, *, op_table: OpTable | None = None) -> nn.Module:
+    """Run the ``nn.Linear`` modules of ``model`` whose policy names a block recipe as :class:`BlockLinear`,
+    in place (only modules whose class is exactly ``nn.Linear``); a :class:`BlockLinear` whose policy no
+    longer names one becomes an ``nn.Linear`` again.
+
+    Raises:
+        mpx.UnsupportedTypeError: for a ``model`` that is not a ``torch.nn.Module``.
+    """
+    if not isinstance(model, nn.Module):
+        raise UnsupportedTypeError(
+            f"model: expected a torch.nn.Module, got {type(model).__name__}; "
+            "mpx_torch.blocks.convert changes a model's nn.Linear modules in place."
+        )
+    root = get_policy(policy)
+    for path, sub in model.named_modules():
+        if type(sub) is not nn.Linear and not isinstance(sub, BlockLinear):
+            continue
+        own = root.for_module(path, module_category(sub))
+        recipe = own.fp8 if as_op_table(op_table).fp8_applies("linear", own) else None
+        if not isinstance(recipe, BlockRecipe):
+            if isinstance(sub, BlockLinear):
+                sub.__dict__.pop("block_recipe", None)
+                sub.__dict__.pop("block_gemm", None)
+                sub.__class__ = nn.Linear
+            continue
+        if sub.weight.dim() != 2:
+            raise MPXError(f"module {path!r}: a block-scaled Linear needs a 2-D weight")
+        sub.__class__ = BlockLinear
+        sub.block_recipe = recipe
+        sub.block_gemm = "emulate"
+    return model
+
+
+def block_recipe_of(model: nn.Module) -> BlockRecipe | None:
+    """The one block recipe of ``model``'s :class:`BlockLinear` modules (None without any): what its
+    ``mpx.float8/1`` dict holds (stateless: no tensors).
+
+    Raises:
+        mpx.StateDictError: when they use more than one recipe.
+    """
+    found = {m.block_recipe for m in model.modules() if isinstance(m, BlockLinear)}
+    if len(found) > 1:
+        raise StateDictError(
+            f"model: its block-scaled layers use {len(found)} different recipes; an mpx.float8/1 dict holds one"
+        )
+    return found.pop() if found else None
