@@ -59,3 +59,51 @@ def test_data_parallel_skips_alike_on_every_replica():
     env = dict(os.environ, KERAS_BACKEND="jax", XLA_FLAGS="--xla_force_host_platform_device_count=4")
     r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-4000:]
+
+
+MODEL_PARALLEL = textwrap.dedent(
+    """
+    import jax
+    import keras
+    import numpy as np
+    import mpx_keras
+    from mpx_keras import float8 as kf8
+
+    mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"], devices=jax.devices())
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map["fc.*kernel"] = (None, "model")
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch"))
+    spec = "mixed_bfloat16,fp8=hybrid,fp8_history=4"
+    with mpx_keras.policy_scope(spec):
+        m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, name="fc1"), keras.layers.Dense(4, name="fc2")])
+    m = mpx_keras.apply_policy(m, spec)
+    assert len(m.layers[0].kernel.value.sharding.device_set) == 4
+    opt = mpx_keras.LossScaleOptimizer(keras.optimizers.Adam(1e-2), config={"kind": "dynamic", "init_scale": 256.0})
+    m.compile(optimizer=opt, loss="mse")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 4)).astype("float32")
+    x[8] *= 50.0  # the last batch: its largest amax sits in its first batch shard only
+    y = rng.normal(size=(16, 4)).astype("float32")
+    m.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    assert opt.state.steps == 2 and opt.state.skipped_steps == 0
+    fp8 = [var for _, layer in kf8.float8_layers(m) for _, _, var in layer.fp8_variables()]
+    assert fp8
+    for var in fp8:
+        shards = [np.asarray(s.data) for s in var.value.addressable_shards]
+        assert len(shards) == 4
+        for s in shards[1:]:
+            assert s.tobytes() == shards[0].tobytes()
+    hist = kf8.float8_state_dict(m)["tensors"]["fc1.input"]
+    a_in = float(np.abs(x[8:].astype(jax.numpy.bfloat16).astype(np.float32)).max())
+    assert float(np.asarray(hist["amax_history"]).reshape(-1)[0]) == np.float32(a_in), hist
+    print("OK")
+    """
+)
+
+
+def test_model_parallel_fp8_amaxes_are_reduced_across_the_batch_shards():
+    env = dict(os.environ, KERAS_BACKEND="jax", XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    r = subprocess.run(
+        [sys.executable, "-c", MODEL_PARALLEL], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-4000:]
