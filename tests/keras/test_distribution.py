@@ -107,3 +107,48 @@ def test_model_parallel_fp8_amaxes_are_reduced_across_the_batch_shards():
         [sys.executable, "-c", MODEL_PARALLEL], env=env, capture_output=True, text=True, timeout=300
     )
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-4000:]
+
+
+ACCUMULATION = textwrap.dedent(
+    """
+    import jax
+    import keras
+    import numpy as np
+    import mpx
+    import mpx_keras
+
+    config = mpx.ScalerConfig(init_scale=2.0**10, growth_interval=2, hysteresis=2)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(48, 4)).astype("float32")
+    x[8] = np.inf  # one shard of micro-batch 2
+    y = x[:, :3] * 0.5
+
+    def run(distribution):
+        keras.utils.set_random_seed(0)
+        with distribution.scope() if distribution else __import__("contextlib").nullcontext():
+            m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+            opt = mpx_keras.LossScaleOptimizer(keras.optimizers.SGD(0.1, gradient_accumulation_steps=2), config)
+            m.compile(optimizer=opt, loss="mse")
+            m.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+        return m, opt
+
+    m1, o1 = run(None)
+    m4, o4 = run(keras.distribution.DataParallel(devices=jax.devices()))
+    assert o4.state == o1.state and o1.state.skipped_steps >= 1, (o4.state, o1.state)
+    assert int(keras.ops.convert_to_numpy(o4.iterations)) == int(keras.ops.convert_to_numpy(o1.iterations))
+    for a, b in zip(m1.variables, m4.variables):
+        np.testing.assert_allclose(np.asarray(b.value), np.asarray(a.value), rtol=1e-6, atol=1e-7)
+    for v in list(m4.variables) + list(o4.variables):
+        shards = [np.asarray(s.data) for s in v.value.addressable_shards]
+        assert all(s.tobytes() == shards[0].tobytes() for s in shards), v.path
+    print("OK")
+    """
+)
+
+
+def test_gradient_accumulation_keeps_the_single_device_semantics():
+    env = dict(os.environ, KERAS_BACKEND="jax", XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    r = subprocess.run(
+        [sys.executable, "-c", ACCUMULATION], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-4000:]
