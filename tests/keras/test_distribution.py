@@ -152,3 +152,47 @@ def test_gradient_accumulation_keeps_the_single_device_semantics():
         [sys.executable, "-c", ACCUMULATION], env=env, capture_output=True, text=True, timeout=300
     )
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-4000:]
+
+
+SAVE_LOAD = textwrap.dedent(
+    """
+    import os, sys, tempfile
+    import jax
+    import keras
+    import numpy as np
+    import mpx
+    import mpx_keras
+
+    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=jax.devices()))
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 4)).astype("float32")
+    y = x[:, :3] * 0.5
+    with mpx_keras.policy_scope("mixed_float16"):
+        m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    opt = mpx_keras.LossScaleOptimizer(keras.optimizers.Adam(1e-3), mpx.ScalerConfig(init_scale=2.0**10, growth_interval=1))
+    m.compile(optimizer=opt, loss="mse")
+    m.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    d = tempfile.mkdtemp()
+    m.save(os.path.join(d, "m.keras"))
+    m.save_weights(os.path.join(d, "m.weights.h5"))
+    r = keras.models.load_model(os.path.join(d, "m.keras"))
+    assert r.optimizer.state == opt.state, (r.optimizer.state, opt.state)
+    for a, b in zip(m.variables, r.variables):
+        assert np.asarray(a.value).tobytes() == np.asarray(b.value).tobytes()
+    m.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    r.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    assert r.optimizer.state == opt.state
+    for a, b in zip(m.variables, r.variables):
+        assert np.asarray(a.value).tobytes() == np.asarray(b.value).tobytes()
+    r.load_weights(os.path.join(d, "m.weights.h5"))
+    print("OK")
+    """
+)
+
+
+def test_save_and_load_resume_under_data_parallel():
+    env = dict(os.environ, KERAS_BACKEND="jax", XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    r = subprocess.run(
+        [sys.executable, "-c", SAVE_LOAD], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-4000:]
