@@ -380,6 +380,7 @@ def main(argv):
     except Exception:
         result = {"error": traceback.format_exc()}
     torch.save(result, os.path.join(out_dir, f"{suite}-{rank}.pt"))
+    dist.barrier()  # every rank done before teardown (gloo can abort a rank that tears down mid-exchange)
     dist.destroy_process_group()
 
 
