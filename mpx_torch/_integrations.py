@@ -114,12 +114,13 @@ def uses_float8(policy: Policy) -> bool:
     return policy.fp8 is not None or any(rule.policy.fp8 is not None for rule in policy.overrides)
 
 
-def commit_models(models: Any, scaler: GradScaler) -> None:
+def commit_models(models: Any, scaler: GradScaler | bool) -> None:
     """Commit the FP8 state of ``models`` (a module or an iterable of them) after one optimizer step.
 
     :func:`mpx_torch.float8.commit_float8` with the scaler after its ``update()``: nothing moves on a step
-    the scaler skipped, so the FP8 state moves exactly when the optimizer state does (once per
-    optimizer step, so once per gradient-accumulation window; replicas all-reduce their amaxes).
+    the scaler skipped (``False`` for no scaler: every step commits), so the FP8 state moves exactly when
+    the optimizer state does (once per optimizer step, so once per gradient-accumulation window;
+    replicas all-reduce their amaxes).
     A module without FP8 Linears is left alone.
     """
     for model in [models] if isinstance(models, nn.Module) else models:

@@ -40,6 +40,7 @@ import torch
 from lightning.fabric.plugins.precision import Precision as FabricPrecision
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch.nn import Module
 from torch.optim import LBFGS, Optimizer
 
@@ -55,7 +56,7 @@ from mpx_torch._integrations import (
     uses_float8,
     warn_half_parameters,
 )
-from mpx_torch.autocast import autocast
+from mpx_torch.autocast import autocast, to_torch_dtype
 from mpx_torch.grad_scaler import GradScaler
 from mpx_torch.prepare import prepare
 
@@ -67,6 +68,18 @@ require_library("lightning")
 _NATIVE_CHECKPOINT_KEYS = ("MixedPrecision", "native_amp_scaling_state")
 
 
+def _default_device() -> str:
+    """Lightning's ``MixedPrecision.device`` when none is named: CUDA when available, else the default device's type."""
+    return "cuda" if torch.cuda.is_available() else torch.get_default_device().type
+
+
+def _cast_floating(data: Any, dtype: torch.dtype) -> Any:
+    """``data`` with each floating tensor (in lists, tuples, dicts, nested) cast to ``dtype``."""
+    return apply_to_collection(
+        data, torch.Tensor, lambda t: t.to(dtype) if torch.is_floating_point(t) and t.dtype != dtype else t
+    )
+
+
 def _handles_unscaling(optimizer: Any) -> bool:
     # a fused optimizer unscales inside its step: unscaled here only to clip
     return step_supports_amp_scaling(optimizer)
@@ -76,7 +89,7 @@ class _MPXPlugin:
     """What both plugins share: the policy, the scaler, module conversion, the forward context, state."""
 
     precision: str
-    scaler: GradScaler
+    scaler: GradScaler | None
 
     def _setup(
         self,
@@ -84,16 +97,68 @@ class _MPXPlugin:
         config: ScalerConfig | Mapping[str, Any] | PolicySpec | None,
         device_type: str | Sequence[str] | None,
         op_table: OpTable | None,
+        device: str | torch.device | None = None,
+        scaler: GradScaler | None = None,
     ) -> None:
         self.policy: Policy = get_policy(policy)
-        # None: the policy's own config (dynamic for float16 compute, none otherwise)
-        self.scaler = GradScaler(self.policy if config is None else config)
         self.precision = lightning_precision(self.policy)
+        if device is not None:
+            if device_type is not None:
+                raise MPXError(
+                    "device: pass either device= (Lightning's name, one device) or device_type= "
+                    f"(mpx's, one or more device types), not both; got device={device!r} and "
+                    f"device_type={device_type!r}"
+                )
+            try:
+                device_type = torch.device(device).type
+            except (RuntimeError, TypeError):
+                raise MPXError(
+                    f"device: {device!r} is not a torch device; use 'cpu', 'cuda', 'cuda:0', ... or None"
+                ) from None
+        #: The autocast device, as Lightning's ``MixedPrecision.device``: the one given, else CUDA when it
+        #: is available, else the default device's type (autocast itself enters every device type then).
+        self.device: str = str(device) if device is not None else _default_device()
+        self.scaler: GradScaler | None = self._make_scaler(config, scaler)
         self._device_type = device_type
         self._op_table = op_table
         self._float8 = uses_float8(self.policy)
         # the modules convert_module prepared: their FP8 state commits after each optimizer step
         self._modules: list[Module] = []
+
+    def _make_scaler(
+        self, config: ScalerConfig | Mapping[str, Any] | PolicySpec | None, scaler: GradScaler | None
+    ) -> GradScaler | None:
+        """The plugin's scaler: ``scaler`` as given, else one from ``config`` (None: the policy's own);
+        None when no loss scaling is used (kind ``none``), as Lightning's ``bf16-mixed`` has none."""
+        if scaler is None:
+            built = GradScaler(self.policy if config is None else config)
+            return built if built.config.kind != "none" else None
+        if config is not None:
+            raise MPXError(
+                "scaler: pass either scaler= (a ready mpx_torch.GradScaler) or config= (its settings), not both"
+            )
+        if not isinstance(scaler, GradScaler):
+            raise MPXError(
+                f"scaler: expected an mpx_torch.GradScaler (torch's GradScaler API with mpx's state machine), "
+                f"got {type(scaler).__name__}; pass torch.amp.GradScaler settings as "
+                "config=mpx.ScalerConfig(init_scale=..., growth_interval=..., ...) instead"
+            )
+        if not self.policy.lowers_precision or self.policy.compute_dtype != "float16":
+            if scaler.config.kind != "none":
+                raise MPXError(
+                    f"scaler: precision={self.precision!r} does not use a loss scaler (only float16 compute "
+                    f"does), found {type(scaler).__name__} of kind {scaler.config.kind!r}; leave scaler=None, "
+                    "or pass config= to scale this policy's loss anyway"
+                )
+            return None
+        return scaler if scaler.config.kind != "none" else None
+
+    def autocast_context_manager(self) -> autocast:
+        """The policy's :class:`mpx_torch.autocast` for :attr:`device` with torch's autocast cache off,
+        as Lightning's ``MixedPrecision.autocast_context_manager()`` (for your own regions)."""
+        return autocast(
+            self.policy, self._device_type or self.device, op_table=self._op_table, cache_enabled=False
+        )
 
     def convert_module(self, module: Module) -> Module:
         """Prepare ``module`` under the policy, in place (warns when half parameters are upcast)."""
@@ -109,19 +174,22 @@ class _MPXPlugin:
         if not self._float8:
             return
         params = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        commit_models([m for m in self._modules if any(id(p) in params for p in m.parameters())], self.scaler)
+        trained = [m for m in self._modules if any(id(p) in params for p in m.parameters())]
+        commit_models(trained, self.scaler if self.scaler is not None else False)
 
     def forward_context(self) -> contextlib.AbstractContextManager:
         """The policy's :class:`mpx_torch.autocast` (around each training, validation, test and predict step)."""
         return autocast(self.policy, self._device_type, op_table=self._op_table)
 
     def state_dict(self) -> dict[str, Any]:
-        """The scaler's neutral ``mpx.scaler/1`` state dict."""
-        return self.scaler.state_dict()
+        """The scaler's neutral ``mpx.scaler/1`` state dict; ``{}`` without a scaler (as Lightning's)."""
+        return self.scaler.state_dict() if self.scaler is not None else {}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Load a neutral dict, or a ``torch.amp.GradScaler`` one (see :meth:`mpx_torch.GradScaler.load_state_dict`)."""
-        self.scaler.load_state_dict(state_dict)
+        """Load a neutral dict, or a ``torch.amp.GradScaler`` one (see :meth:`mpx_torch.GradScaler.load_state_dict`);
+        without a scaler, nothing (a bfloat16 run ignores a float16 run's scale, as Lightning's ``bf16-mixed``)."""
+        if self.scaler is not None:
+            self.scaler.load_state_dict(state_dict)
 
     def _step_with_scaler(self, optimizer: Any, **kwargs: Any) -> Any:
         if isinstance(optimizer, LBFGS):
@@ -129,8 +197,11 @@ class _MPXPlugin:
                 "optimizer: LBFGS re-evaluates its closure inside step(), which loss scaling cannot skip; "
                 "use another optimizer or a policy without loss scaling (e.g. 'mixed_bfloat16')"
             )
-        output = self.scaler.step(optimizer, **kwargs)
-        self.scaler.update()
+        scaler = self.scaler
+        if scaler is None:  # (callers check first)
+            raise MPXError("optimizer_step: this plugin has no loss scaler to step with")
+        output = scaler.step(optimizer, **kwargs)
+        scaler.update()
         self._commit_float8(optimizer)
         return output
 
@@ -166,10 +237,12 @@ class MPXPrecision(_MPXPlugin, Precision):
         policy: PolicySpec,
         config: ScalerConfig | Mapping[str, Any] | PolicySpec | None = None,
         *,
+        device: str | torch.device | None = None,
+        scaler: GradScaler | None = None,
         device_type: str | Sequence[str] | None = None,
         op_table: OpTable | None = None,
     ) -> None:
-        self._setup(policy, config, device_type, op_table)
+        self._setup(policy, config, device_type, op_table, device, scaler)
 
     @contextlib.contextmanager
     def forward_context(self) -> Generator[None, None, None]:  # type: ignore[override]
@@ -179,7 +252,9 @@ class MPXPrecision(_MPXPlugin, Precision):
 
     def pre_backward(self, tensor: torch.Tensor, module: pl.LightningModule) -> torch.Tensor:  # type: ignore[override]
         """Scale the loss (the ``on_before_backward`` hooks see the scaled loss, as with ``MixedPrecision``)."""
-        return super().pre_backward(self.scaler.scale(tensor), module)
+        if self.scaler is not None:
+            tensor = self.scaler.scale(tensor)
+        return super().pre_backward(tensor, module)
 
     def optimizer_step(  # type: ignore[override]
         self,
@@ -189,7 +264,7 @@ class MPXPrecision(_MPXPlugin, Precision):
         **kwargs: Any,
     ) -> Any:
         """Run the closure, unscale, clip (``on_before_optimizer_step``), step when finite, update the scaler."""
-        if not self.scaler.is_enabled():
+        if self.scaler is None or not self.scaler.is_enabled():
             stepped: list[bool] = []
 
             def run_closure() -> Any:
@@ -229,7 +304,7 @@ class MPXPrecision(_MPXPlugin, Precision):
         Unlike Lightning's ``MixedPrecision``, fused optimizers clip too: the
         gradients are unscaled here and their fused step is told so.
         """
-        if clip_val > 0:
+        if clip_val > 0 and self.scaler is not None:
             unscale_once(self.scaler, optimizer)
         super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
 
@@ -241,7 +316,7 @@ class MPXPrecision(_MPXPlugin, Precision):
         entry loads that one (see :meth:`mpx_torch.GradScaler.load_state_dict`),
         unless this plugin's scaler is of kind ``none`` (a bfloat16 policy).
         """
-        if type(self).__qualname__ in checkpoint or self.scaler.config.kind == "none":
+        if type(self).__qualname__ in checkpoint or self.scaler is None:
             return  # a policy without loss scaling ignores a float16 scale, as Lightning's bf16-mixed does
         for key in _NATIVE_CHECKPOINT_KEYS:
             if checkpoint.get(key):
@@ -265,18 +340,22 @@ class MPXFabricPrecision(_MPXPlugin, FabricPrecision):
         policy: PolicySpec,
         config: ScalerConfig | Mapping[str, Any] | PolicySpec | None = None,
         *,
+        device: str | torch.device | None = None,
+        scaler: GradScaler | None = None,
         device_type: str | Sequence[str] | None = None,
         op_table: OpTable | None = None,
     ) -> None:
-        self._setup(policy, config, device_type, op_table)
+        self._setup(policy, config, device_type, op_table, device, scaler)
 
     def backward(self, tensor: torch.Tensor, model: Module | None, *args: Any, **kwargs: Any) -> None:
         """Backward of the scaled loss."""
-        super().backward(self.scaler.scale(tensor), model, *args, **kwargs)
+        if self.scaler is not None:
+            tensor = self.scaler.scale(tensor)
+        super().backward(tensor, model, *args, **kwargs)
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         """Step when the gradients are finite (unscaling first unless clipping did), update the scaler."""
-        if not self.scaler.is_enabled():
+        if self.scaler is None or not self.scaler.is_enabled():
             output = super().optimizer_step(optimizer, **kwargs)
             self._commit_float8(optimizer)
             return output
@@ -284,4 +363,16 @@ class MPXFabricPrecision(_MPXPlugin, FabricPrecision):
 
     def unscale_gradients(self, optimizer: Optimizer) -> None:
         """Unscale before ``fabric.clip_gradients`` (once per step; fused optimizers too)."""
-        unscale_once(self.scaler, optimizer)
+        if self.scaler is not None:
+            unscale_once(self.scaler, optimizer)
+
+    def convert_input(self, data: Any) -> Any:
+        """Cast the floating tensors of ``data`` (the inputs of a ``fabric.setup`` module's forward) to the
+        policy's compute dtype, as Lightning's ``MixedPrecision`` casts them to its autocast dtype;
+        float64 tensors too, integer and bool tensors never."""
+        return _cast_floating(data, to_torch_dtype(self.policy.compute_dtype))
+
+    def convert_output(self, data: Any) -> Any:
+        """Cast the floating tensors of a forward's output to the policy's output dtype (Lightning: the
+        default dtype, float32)."""
+        return _cast_floating(data, to_torch_dtype(self.policy.output_dtype))
