@@ -327,18 +327,21 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def _transition(self, finite: Any) -> None:
         """:func:`mpx.scaler_update` on the variables, the history row and the stuck check."""
         state = self._state_variables()
-        old = [v.value for v in state]
-        new = self._next_state(old, finite)
+        new = self._next_state([v.value for v in state], finite)
+        cfg = self._config
+        hit = scale_kernel.floor_hit(self._array_ops, cfg, state[0].value, new) if cfg.on_floor == "raise" else None
         for var, value in zip(state, new[: len(state)], strict=True):
             var.assign(value)
         extras = self._mpx_extras
         if extras.history is not None:
             extras.history.record(self._array_ops, new)
-        if self._config.on_floor == "raise":
-            if _compat.in_xla_context():
+        if hit is not None:  # on_floor="raise": where the stuck check runs, after the step
+            if is_concrete(finite):
+                mpx.check_floor(cfg, *(ops.convert_to_numpy(t) for t in (hit, new.steps, new.scale)))
+            elif _compat.in_xla_context():
                 raise MPXError(_XLA_FLOOR)
-            check_floor_in_step(self._config, scale_kernel.floor_hit(self._array_ops, self._config, old[0], new),
-                                new.steps, new.scale, None)  # fmt: skip
+            else:
+                check_floor_in_step(cfg, hit, new.steps, new.scale, None)
         if self._config.max_consecutive_skips is None:
             return
         if is_concrete(finite):
