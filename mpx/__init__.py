@@ -8,6 +8,7 @@ from mpx._version import __version__
 from mpx.accumulation import accumulation_trace, check_accumulation_steps, window_flags
 from mpx.advice import SlowPolicyWarning, warn_if_slow
 from mpx.categories import CATEGORY_CLASSES, category_of, resolve_categories
+from mpx.deepspeed_config import from_deepspeed_config, to_deepspeed_config
 from mpx.dtypes import (
     CANONICAL_DTYPES,
     FLOATING_DTYPES,
@@ -24,6 +25,7 @@ from mpx.errors import (
     MPXError,
     PolicyError,
     ScalerConfigError,
+    ScalerFloorError,
     ScalerStuckError,
     ScalerStuckWarning,
     StateDictError,
@@ -53,6 +55,7 @@ from mpx.policy import (
 from mpx.scaling import (
     COUNTER_MAX,
     SCALE_FLOOR,
+    SCALER_PRESETS,
     STATE_DICT_FORMAT,
     ScalerConfig,
     ScalerState,
@@ -62,7 +65,7 @@ from mpx.scaling import (
     scaler_update,
     state_dict,
 )
-from mpx.stuck import check_stuck, stuck_message
+from mpx.stuck import check_floor, check_stuck, stuck_message
 
 __all__ = [
     "CANONICAL_DTYPES",
@@ -78,6 +81,7 @@ __all__ = [
     "PRESETS",
     "PRESET_ALIASES",
     "SCALE_FLOOR",
+    "SCALER_PRESETS",
     "STATE_DICT_FORMAT",
     "DTypeError",
     "FrameworkVersionError",
@@ -97,6 +101,7 @@ __all__ = [
     "PolicySpec",
     "ScalerConfig",
     "ScalerConfigError",
+    "ScalerFloorError",
     "ScalerHistory",
     "ScalerState",
     "ScalerStuckError",
@@ -108,6 +113,9 @@ __all__ = [
     "accumulation_trace",
     "as_scaler_config",
     "category_of",
+    "check_floor",
+    "from_deepspeed_config",
+    "to_deepspeed_config",
     "check_stuck",
     "check_accumulation_steps",
     "canonical_dtype",

@@ -14,6 +14,7 @@ __all__ = [
     "MPXError",
     "PolicyError",
     "ScalerConfigError",
+    "ScalerFloorError",
     "ScalerStuckError",
     "ScalerStuckWarning",
     "StateDictError",
@@ -47,6 +48,11 @@ class Float8Error(MPXError):
 
 class ScalerStuckError(MPXError):
     """A loss scaler skipped ``ScalerConfig.max_consecutive_skips`` steps in a row (see :mod:`mpx.stuck`)."""
+
+
+class ScalerFloorError(MPXError):
+    """A back-off was due while the scale was already at ``min_scale`` and the config says
+    ``on_floor="raise"`` (DeepSpeed's rule; see :mod:`mpx.stuck`)."""
 
 
 class ScalerStuckWarning(UserWarning):

@@ -25,6 +25,7 @@ from mpx.scaling import (
     scaler_update,
     state_dict,
 )
+from mpx.stuck import check_floor, floor_hit
 
 __all__ = ["LossScaler"]
 
@@ -71,13 +72,15 @@ class LossScaler:
 
     def update(self, finite: bool) -> bool:
         """Advance one step; returns True when this step's update must be skipped."""
-        before = self._state.skipped_steps
-        self._state = s = scaler_update(self._config, self._state, finite)
+        previous = self._state
+        self._state = s = scaler_update(self._config, previous, finite)
         if self._history is not None:
             o = NUMPY_OPS
             row = _ring.row(o, np.float32(s.scale), s.growth_tracker, s.consecutive_nonfinite, s.steps)
             self._history = _ring.record(o, *self._history, row)
-        return self._state.skipped_steps != before
+        if self._config.on_floor == "raise":  # mpx.stuck: after the step, as every backend
+            check_floor(self._config, floor_hit(self._config, previous, s), s.steps, s.scale)
+        return s.skipped_steps != previous.skipped_steps
 
     def last_step_skipped(self) -> bool:
         """Whether the last :meth:`update` skipped its step (False before the first)."""

@@ -39,6 +39,7 @@ COUNTER_MAX = _kernel.COUNTER_MAX
 
 __all__ = [
     "BACKOFF_FACTOR_MIN",
+    "SCALER_PRESETS",
     "COUNTER_MAX",
     "GROWTH_FACTOR_MAX",
     "SCALE_FLOOR",
@@ -59,6 +60,9 @@ STATE_DICT_FORMAT = "mpx.scaler/1"
 KINDS = ("dynamic", "static", "none")
 #: The values of ``ScalerConfig.on_stuck``.
 ON_STUCK = ("raise", "warn")
+#: The values of ``ScalerConfig.hysteresis_reset`` and ``ScalerConfig.on_floor``.
+HYSTERESIS_RESETS = ("finite", "growth")
+ON_FLOOR = ("keep", "raise")
 _F32_MAX = float(np.finfo(np.float32).max)
 #: The smallest scale there is: the smallest positive normal float32, 2**-126.  Every
 #: scale (init, bounds, a loaded state) is at least this, and a backoff never goes below it.
@@ -140,8 +144,9 @@ class ScalerConfig:
             no floor and can reach 0).
         max_scale: ceiling of the scale (default 2**24); None for no ceiling.
             A growth that would overflow float32 keeps the old scale either way.
-        hysteresis: consecutive non-finite steps before backing off, an int in
-            [1, 2**31 - 1] (default 1).
+        hysteresis: non-finite steps before backing off, an int in
+            [1, 2**31 - 1] (default 1): in a row (``hysteresis_reset="finite"``)
+            or since the last growth (``"growth"``).
         skip_nonfinite: skip the update on a non-finite step; None (default)
             means True for dynamic and static, False for none.
         max_consecutive_skips: stuck detection: after this many skipped steps
@@ -151,6 +156,18 @@ class ScalerConfig:
             host sync, nothing added to a compiled step).  See :mod:`mpx.stuck`.
         on_stuck: ``"raise"`` (default) or ``"warn"`` (a
             :class:`mpx.ScalerStuckWarning`) when ``max_consecutive_skips`` is reached.
+        hysteresis_reset: what refills the hysteresis budget: ``"finite"``
+            (default: any finite step; DeepSpeed's ``consecutive_hysteresis=true``)
+            or ``"growth"`` (only a growth step; DeepSpeed's default).  Under
+            ``"growth"`` the state counts ``nonfinite_since_growth``.
+        first_growth_delay: extra finite steps before the first growth after a
+            non-finite step or the start, an int >= 0 with ``growth_interval +
+            first_growth_delay <= 2**31 - 1`` (default 0; DeepSpeed's rule is 1: it
+            grows on the (window+1)-th finite step, then every window steps).
+        on_floor: ``"keep"`` (default: a back-off at ``min_scale`` keeps the
+            scale there) or ``"raise"`` (DeepSpeed's rule: a back-off due while the
+            scale is at ``min_scale`` raises :class:`mpx.ScalerFloorError` after the
+            step, where stuck detection raises; see :mod:`mpx.stuck`).
 
     Scales (``init_scale``, ``min_scale``, ``max_scale``) act as float32
     values and must lie in [2**-126, float32's max]; the factors are used as
@@ -171,6 +188,9 @@ class ScalerConfig:
     skip_nonfinite: bool | None = None
     max_consecutive_skips: int | None = None
     on_stuck: Literal["raise", "warn"] = "raise"
+    hysteresis_reset: Literal["finite", "growth"] = "finite"
+    first_growth_delay: int = 0
+    on_floor: Literal["keep", "raise"] = "keep"
 
     def __post_init__(self) -> None:
         err = ScalerConfigError
@@ -205,6 +225,17 @@ class ScalerConfig:
             if not _is_int(value) or not 1 <= value <= COUNTER_MAX:
                 raise err(f"{name}: expected an int in [1, 2**31 - 1], got {_show(value)}")
             object.__setattr__(self, name, int(value))
+        for name, allowed in (("hysteresis_reset", HYSTERESIS_RESETS), ("on_floor", ON_FLOOR)):
+            value = getattr(self, name)
+            if not isinstance(value, str) or value not in allowed:
+                raise err(f"{name}: {_show(value)} is not allowed; allowed: {', '.join(allowed)}")
+        delay, most = self.first_growth_delay, COUNTER_MAX - self.growth_interval
+        if not _is_int(delay) or not 0 <= delay <= most:
+            raise err(
+                f"first_growth_delay: expected an int in [0, 2**31 - 1 - growth_interval] = [0, {most}], "
+                f"got {_show(delay)}"
+            )
+        object.__setattr__(self, "first_growth_delay", int(delay))
         lo, hi = self.min_scale, self.max_scale
         if lo is not None and hi is not None and lo > hi:
             raise err(f"min_scale: {lo!r} is greater than max_scale {hi!r}")
@@ -287,6 +318,24 @@ class ScalerConfig:
         return cls(**data)
 
 
+#: Named scaler configs, read by :func:`as_scaler_config` (and so by every backend's scaler) by name.
+#: ``deepspeed_fp16`` is DeepSpeed's fp16 ``DynamicLossScaler`` with its ds_config defaults
+#: (``initial_scale_power`` 16, ``loss_scale_window`` 1000, ``hysteresis`` 2,
+#: ``consecutive_hysteresis`` false, ``min_loss_scale`` 1, no ceiling, raise at the floor).
+SCALER_PRESETS: dict[str, ScalerConfig] = {
+    "deepspeed_fp16": ScalerConfig(
+        init_scale=2.0**16,
+        growth_interval=1000,
+        hysteresis=2,
+        hysteresis_reset="growth",
+        first_growth_delay=1,
+        min_scale=1.0,
+        max_scale=None,
+        on_floor="raise",
+    ),
+}
+
+
 
 def as_scaler_config(config: Any = None, *, field: str = "config") -> ScalerConfig:
     """Read what every backend's scaler accepts as its config, the same way everywhere.
@@ -295,6 +344,7 @@ def as_scaler_config(config: Any = None, *, field: str = "config") -> ScalerConf
 
     * ``None``: ``ScalerConfig()`` (dynamic, torch's defaults);
     * an :class:`ScalerConfig`, returned as it is;
+    * a name in :data:`SCALER_PRESETS` (``"deepspeed_fp16"``);
     * a dict with a ``"kind"`` key: :meth:`ScalerConfig.from_dict` (``to_dict()``'s form);
     * a policy (:class:`mpx.Policy`, a spec string such as ``"mixed_float16"``, or a
       policy dict): :meth:`ScalerConfig.for_policy`, dynamic for float16 compute, none otherwise.
@@ -314,24 +364,29 @@ def as_scaler_config(config: Any = None, *, field: str = "config") -> ScalerConf
         return ScalerConfig()
     if isinstance(config, ScalerConfig):
         return config
+    if isinstance(config, str) and config in SCALER_PRESETS:
+        return SCALER_PRESETS[config]
     if isinstance(config, Mapping) and "kind" in config:
         return ScalerConfig.from_dict(config)  # its errors name the bad key
     if isinstance(config, (Policy, str, Mapping)):
         return ScalerConfig.for_policy(get_policy(config))
     raise ScalerConfigError(
-        f"{field}: expected an mpx.ScalerConfig, its to_dict() dict, a policy (mpx.Policy, spec string "
+        f"{field}: expected an mpx.ScalerConfig, its to_dict() dict, a scaler preset name "
+        f"({', '.join(SCALER_PRESETS)}), a policy (mpx.Policy, spec string "
         f"or policy dict) or None, got {type(config).__name__}"
     )
 
 @dataclass(frozen=True)
 class ScalerState:
-    """The state of one scaler: ``scale`` (a float32 value) and four counters."""
+    """The state of one scaler: ``scale`` (a float32 value) and five counters
+    (``nonfinite_since_growth`` counts only under ``hysteresis_reset="growth"``)."""
 
     scale: float
     growth_tracker: int = 0
     consecutive_nonfinite: int = 0
     steps: int = 0
     skipped_steps: int = 0
+    nonfinite_since_growth: int = 0
 
 
 def scaler_init(config: ScalerConfig) -> ScalerState:
@@ -364,21 +419,27 @@ def scaler_update(config: ScalerConfig, state: ScalerState, finite: bool) -> Sca
     return ScalerState(float(out.scale), *(int(v) for v in out[1:]))
 
 
-_COUNTERS_IN_ORDER = ("growth_tracker", "consecutive_nonfinite", "steps", "skipped_steps")
+_COUNTERS_IN_ORDER = ("growth_tracker", "consecutive_nonfinite", "steps", "skipped_steps", "nonfinite_since_growth")
 
 
 # -- state dicts -----------------------------------------------------------------
-_COUNTERS = ("growth_tracker", "consecutive_nonfinite", "steps", "skipped_steps")
+_COUNTERS = _COUNTERS_IN_ORDER
 _KEYS = ("format", "config", "scale", *_COUNTERS)
+#: Keys a state dict written before they existed may lack (read as 0).
+_OPTIONAL = ("nonfinite_since_growth",)
 
 
 def state_dict(config: ScalerConfig, state: ScalerState) -> dict[str, Any]:
-    """The neutral, JSON-safe state dict every backend writes and reads."""
+    """The neutral, JSON-safe state dict every backend writes and reads.
+
+    ``nonfinite_since_growth`` is written only where it counts (``hysteresis_reset="growth"``),
+    so a default config's dict is the one earlier versions wrote."""
+    names = _COUNTERS if config.hysteresis_reset == "growth" else _COUNTERS[:4]
     return {
         "format": STATE_DICT_FORMAT,
         "config": config.to_dict(),
         "scale": float(state.scale),
-        **{name: int(getattr(state, name)) for name in _COUNTERS},
+        **{name: int(getattr(state, name)) for name in names},
     }
 
 
@@ -401,7 +462,7 @@ def load_state_dict(data: Mapping[str, Any]) -> tuple[ScalerConfig, ScalerState]
     fmt = data.get("format")
     if not (isinstance(fmt, str) and fmt == STATE_DICT_FORMAT):
         raise err(f"format: expected {STATE_DICT_FORMAT!r}, got {_show(data.get('format'))}")
-    missing = [k for k in _KEYS if k not in data]
+    missing = [k for k in _KEYS if k not in data and k not in _OPTIONAL]
     if missing:
         raise err(
             f"state dict: missing key {missing[0]!r}; a {STATE_DICT_FORMAT} dict has {', '.join(_KEYS)}"
@@ -413,6 +474,7 @@ def load_state_dict(data: Mapping[str, Any]) -> tuple[ScalerConfig, ScalerState]
         config = ScalerConfig.from_dict(data["config"])
     except ScalerConfigError as e:
         raise err(f"config: {e}") from None
+    data = {**{name: 0 for name in _OPTIONAL}, **data}
     for name in _COUNTERS:
         value = data[name]
         if not _is_int(value) or not 0 <= value <= COUNTER_MAX:
@@ -441,14 +503,24 @@ def load_state_dict(data: Mapping[str, Any]) -> tuple[ScalerConfig, ScalerState]
             f"consecutive_nonfinite: {state.consecutive_nonfinite} cannot exceed skipped_steps "
             f"{state.skipped_steps} when every non-finite step is skipped"
         )
+    since = state.nonfinite_since_growth
+    if config.kind == "dynamic" and config.hysteresis_reset == "growth":
+        if since > state.steps or since < state.consecutive_nonfinite:
+            raise err(
+                f"nonfinite_since_growth: {since} must lie in [consecutive_nonfinite, steps] = "
+                f"[{state.consecutive_nonfinite}, {state.steps}]"
+            )
+    elif since:
+        raise err(f"nonfinite_since_growth: counts only under hysteresis_reset='growth', got {since}")
     if config.kind == "dynamic":
         lo, hi = config.bounds
         if not lo <= state.scale <= hi:
             raise err(f"scale: {_show(scale)} lies outside [min_scale, max_scale] = [{lo}, {hi}]")
-        if state.growth_tracker >= config.growth_interval:
-            raise err(
-                f"growth_tracker: {state.growth_tracker} must be below growth_interval {config.growth_interval}"
+        if state.growth_tracker >= config.growth_interval + config.first_growth_delay:
+            limit = f"growth_interval {config.growth_interval}" + (
+                f" + first_growth_delay {config.first_growth_delay}" if config.first_growth_delay else ""
             )
+            raise err(f"growth_tracker: {state.growth_tracker} must be below {limit}")
     else:
         if state.scale != config.first_scale:
             raise err(f"scale: a {config.kind} scaler's scale is {config.first_scale}, got {_show(scale)}")

@@ -17,6 +17,15 @@ The message says which of two causes it is:
 * otherwise the scale is still backing off (N is below what reaches
   ``min_scale``), or the loss was not given to the scaler (``loss_finite`` None).
 
+The floor (``ScalerConfig.on_floor="raise"``, DeepSpeed's rule): a step whose back-off
+is due (non-finite, its hysteresis spent) while the scale *before* it is already at
+``min_scale`` raises :class:`mpx.ScalerFloorError`.  The kernel decides it
+(:func:`mpx.kernels.scale.floor_hit`); the backend raises it where it runs stuck
+detection, after the step: the step is counted and skipped, the scale stays at
+``min_scale`` (DeepSpeed raises before it counts the step).  A back-off that only
+*reaches* ``min_scale`` does not raise; the next one due does.  With ``on_floor="keep"``
+nothing is added to a step.
+
 >>> from mpx.scaling import ScalerConfig, ScalerState
 >>> cfg = ScalerConfig(max_consecutive_skips=3, min_scale=1.0)
 >>> stuck_message(cfg, ScalerState(1.0, consecutive_nonfinite=2, steps=2, skipped_steps=2), True) is None
@@ -32,10 +41,12 @@ from typing import Any
 
 import numpy as np
 
-from mpx.errors import ScalerStuckError, ScalerStuckWarning
+from mpx.errors import ScalerFloorError, ScalerStuckError, ScalerStuckWarning
+from mpx.kernels import scale as _kernel
+from mpx.kernels.array_ops import NUMPY_OPS
 from mpx.scaling import ScalerConfig, ScalerState
 
-__all__ = ["check_stuck", "is_stuck", "signal_stuck", "stuck_message"]
+__all__ = ["check_floor", "check_stuck", "floor_hit", "floor_message", "is_stuck", "signal_stuck", "stuck_message"]
 
 
 def is_stuck(config: ScalerConfig, consecutive_skips: int) -> bool:
@@ -117,3 +128,34 @@ def check_stuck(config: ScalerConfig, scale: Any, consecutive: Any, loss_finite:
         flag = None if value < 0 else bool(value)
     state = ScalerState(float(np.float32(scale)), consecutive_nonfinite=count, steps=count, skipped_steps=count)
     signal_stuck(config, stuck_message(config, state, flag), stacklevel=stacklevel + 1)
+
+
+def floor_message(config: ScalerConfig, step: int, scale: float) -> str:
+    """The :class:`mpx.ScalerFloorError` message for a back-off due at ``step`` (1-based) at ``scale``."""
+    return (
+        f"loss scale already at its minimum: step {step} overflowed with the scale at min_scale "
+        f"({float(scale):g}) and a back-off due (on_floor='raise', DeepSpeed's 'Current loss scale already "
+        "at minimum'); the step was skipped. The gradients overflow float16 even at the floor: keep the "
+        "overflowing layers in float32 (mpx compare / watch name them), lower min_scale, use bfloat16, "
+        "or set on_floor='keep' to go on at the floor"
+    )
+
+
+def floor_hit(config: ScalerConfig, before: ScalerState, after: ScalerState) -> bool:
+    """:func:`mpx.kernels.scale.floor_hit` on host states: the step from ``before`` to ``after`` was due
+    to back off with the scale already at its floor."""
+    o = NUMPY_OPS
+    counters = (o.int32(getattr(after, name)) for name in _kernel.ScaleState._fields[1:])
+    return bool(_kernel.floor_hit(o, config, o.float32(before.scale), _kernel.ScaleState(o.float32(after.scale), *counters)))
+
+
+def check_floor(config: ScalerConfig, hit: Any, step: Any, scale: Any) -> None:
+    """Raise :class:`mpx.ScalerFloorError` when ``hit`` (:func:`mpx.kernels.scale.floor_hit` of the
+    step, any bool-like) holds and ``config.on_floor`` is ``"raise"``; ``step``: the state's ``steps``
+    after it, ``scale``: its scale.
+
+    >>> check_floor(ScalerConfig(on_floor="raise"), False, 3, 1.0) is None
+    True
+    """
+    if config.on_floor == "raise" and bool(hit):
+        raise ScalerFloorError(floor_message(config, int(step), float(np.float32(scale))))

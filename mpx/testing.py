@@ -20,10 +20,18 @@ import json
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from mpx.errors import PolicyError, ScalerConfigError, ScalerStuckError, StateDictError
+from mpx.errors import PolicyError, ScalerConfigError, ScalerFloorError, ScalerStuckError, StateDictError
 from mpx.history import ScalerHistory
 from mpx.policy import get_policy
-from mpx.scaling import ScalerConfig, ScalerState, as_scaler_config, scaler_init, scaler_update, state_dict
+from mpx.scaling import (
+    SCALER_PRESETS,
+    ScalerConfig,
+    ScalerState,
+    as_scaler_config,
+    scaler_init,
+    scaler_update,
+    state_dict,
+)
 
 __all__ = ["SURFACE_CHECKS", "SURFACE_NAMES", "ScalerAdapter"]
 
@@ -177,6 +185,45 @@ def check_skip_flag(adapter: ScalerAdapter) -> None:
             assert bool(skipped) is ((not finite) and config.skip_nonfinite), (config.skip_nonfinite, finite)
 
 
+def _deepspeed_mode(**changes: Any) -> ScalerConfig:
+    """DeepSpeed's rule (:data:`mpx.SCALER_PRESETS` ``deepspeed_fp16``) at a size a test runs."""
+    fields = {**SCALER_PRESETS["deepspeed_fp16"].to_dict(), "init_scale": 64.0, "growth_interval": 2, **changes}
+    return ScalerConfig(**fields)
+
+
+def check_deepspeed_mode(adapter: ScalerAdapter) -> None:
+    """DeepSpeed's modes (refill on growth or on any finite step, the delayed first growth) trace as
+    :func:`mpx.scaler_update` does, and the preset's name is a config form."""
+    assert adapter.make("deepspeed_fp16").config == SCALER_PRESETS["deepspeed_fp16"]
+    flags = (True, True, True, False, True, False, True, True, True, True, False, False, True, True)
+    for reset in ("growth", "finite"):
+        config = _deepspeed_mode(hysteresis_reset=reset)
+        scaler, ref = adapter.make(config), scaler_init(config)
+        for finite in flags:
+            scaler, ref = adapter.step(scaler, finite), scaler_update(config, ref, finite)
+            assert scaler.state == ref, (reset, scaler.state, ref)
+        assert ref.nonfinite_since_growth == (0 if reset == "finite" else 2)
+
+
+def check_deepspeed_state_dict(adapter: ScalerAdapter) -> None:
+    """The ``nonfinite_since_growth`` counter is saved and restored, into a scaler built without it too."""
+    config = _deepspeed_mode()
+    scaler = adapter.make(config)
+    for finite in (True, True, True, False):
+        scaler = adapter.step(scaler, finite)
+    saved = scaler.state_dict()
+    assert saved["nonfinite_since_growth"] == 1 and saved == state_dict(config, scaler.state)
+    restored = adapter.load(adapter.make(None), json.loads(json.dumps(saved)))
+    assert restored.config == config and restored.state == scaler.state
+
+
+def check_floor(adapter: ScalerAdapter) -> None:
+    """``on_floor="raise"``: reaching ``min_scale`` does not raise; the next back-off due there does."""
+    scaler = adapter.step(adapter.make(_deepspeed_mode(init_scale=2.0, hysteresis=1)), False)
+    assert scaler.get_scale() == 1.0
+    _raises(ScalerFloorError, "step 2 overflowed with the scale at min_scale", lambda: adapter.step(scaler, False))
+
+
 #: Every check, by name: ``@pytest.mark.parametrize("check", SURFACE_CHECKS.values(), ids=SURFACE_CHECKS)``.
 SURFACE_CHECKS: dict[str, Callable[[ScalerAdapter], None]] = {
     "names": check_names,
@@ -190,4 +237,7 @@ SURFACE_CHECKS: dict[str, Callable[[ScalerAdapter], None]] = {
     "stuck": check_stuck,
     "history": check_history,
     "skip_flag": check_skip_flag,
+    "deepspeed_mode": check_deepspeed_mode,
+    "deepspeed_state_dict": check_deepspeed_state_dict,
+    "floor": check_floor,
 }

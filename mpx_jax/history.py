@@ -32,9 +32,9 @@ import jax
 import jax.numpy as jnp
 
 from mpx.scaling import ScalerConfig
-from mpx.stuck import check_stuck
+from mpx.stuck import check_floor, check_stuck
 
-__all__ = ["stuck_callback"]
+__all__ = ["floor_callback", "stuck_callback"]
 
 
 def stuck_callback(config: ScalerConfig, scale: Any, consecutive: Any, loss_finite: Any = None) -> None:
@@ -46,3 +46,13 @@ def stuck_callback(config: ScalerConfig, scale: Any, consecutive: Any, loss_fini
         check_stuck(config, scale, consecutive, flag, stacklevel=2)
 
     jax.debug.callback(host_check, scale, consecutive, flag)
+
+
+def floor_callback(config: ScalerConfig, hit: Any, steps: Any, scale: Any) -> None:
+    """Add the host-side floor check (``on_floor="raise"``), :func:`mpx.check_floor` in a
+    ``jax.debug.callback`` as stuck detection's: ``hit`` is :func:`mpx.kernels.scale.floor_hit` of the step."""
+
+    def host_check(hit: Any, steps: Any, scale: Any) -> None:
+        check_floor(config, hit, steps, scale)
+
+    jax.debug.callback(host_check, jnp.asarray(hit), steps, scale)

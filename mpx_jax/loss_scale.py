@@ -61,12 +61,15 @@ from mpx.scaling import ScalerConfig, ScalerState
 from mpx_jax._array_ops import JAX_OPS
 from mpx_jax._compat import nnx_if_loaded
 from mpx_jax.casting import is_floating_array
-from mpx_jax.history import stuck_callback
+from mpx_jax.history import floor_callback, stuck_callback
 
-__all__ = ["HISTORY_FIELDS", "INT32_MAX", "STATE_FIELDS", "LossScale", "all_finite", "select_tree"]
+__all__ = ["GROWTH_FIELDS", "HISTORY_FIELDS", "INT32_MAX", "STATE_FIELDS", "LossScale", "all_finite", "select_tree"]
 
 #: The state fields of a :class:`LossScale`, in pytree order: its leaves.
 STATE_FIELDS = ("loss_scale", "growth_tracker", "consecutive_nonfinite", "steps", "skipped_steps")
+#: The counter only ``hysteresis_reset="growth"`` keeps (None otherwise, so a default config's pytree,
+#: checkpoints and compiled step are as they were): an int32 scalar.
+GROWTH_FIELDS = ("nonfinite_since_growth",)
 #: The history ring's fields (None when not recording): int32 ``(capacity, 4)`` rows, int32 count.
 HISTORY_FIELDS = ("history_rows", "history_count")
 
@@ -81,7 +84,8 @@ class LossScale:
     Build one with :meth:`create` or :meth:`from_state_dict`.  Fields:
     ``loss_scale`` (float32 scalar), ``growth_tracker``,
     ``consecutive_nonfinite``, ``steps``, ``skipped_steps`` (int32 scalars),
-    ``config`` (the :class:`mpx.ScalerConfig`, static metadata) and, while
+    ``config`` (the :class:`mpx.ScalerConfig`, static metadata),
+    ``nonfinite_since_growth`` (int32 scalar under ``hysteresis_reset="growth"``, else None) and, while
     recording (:meth:`record_history`), ``history_rows`` and ``history_count``.
 
     The surface every mpx scaler shares (:data:`mpx.testing.SURFACE_NAMES`):
@@ -100,6 +104,7 @@ class LossScale:
     config: ScalerConfig = dataclasses.field(default_factory=ScalerConfig)
     history_rows: jax.Array | None = None
     history_count: jax.Array | None = None
+    nonfinite_since_growth: jax.Array | None = None
 
     # -- construction ----------------------------------------------------------
     @classmethod
@@ -119,7 +124,7 @@ class LossScale:
 
     @classmethod
     def _from_state(cls, config: ScalerConfig, state: ScalerState) -> LossScale:
-        for name in ("growth_tracker", "consecutive_nonfinite", "steps", "skipped_steps"):
+        for name in ("growth_tracker", "consecutive_nonfinite", "steps", "skipped_steps", "nonfinite_since_growth"):
             if getattr(state, name) > INT32_MAX:  # the core bounds them: unreachable from a state dict
                 raise mpx.StateDictError(
                     f"{name}: {getattr(state, name)} does not fit the int32 counter of LossScale."
@@ -131,6 +136,8 @@ class LossScale:
             steps=jnp.asarray(state.steps, jnp.int32),
             skipped_steps=jnp.asarray(state.skipped_steps, jnp.int32),
             config=config,
+            nonfinite_since_growth=jnp.asarray(state.nonfinite_since_growth, jnp.int32)
+            if config.hysteresis_reset == "growth" else None,
         )
 
     # -- use ---------------------------------------------------------------------
@@ -187,16 +194,19 @@ class LossScale:
         if finite.shape != ():
             raise mpx.MPXError(f"finite: expected a scalar boolean, got an array of shape {finite.shape}.")
         cfg, o = self.config, JAX_OPS
-        state = kscale.ScaleState(*(getattr(self, name) for name in STATE_FIELDS))
+        state = kscale.ScaleState(*(getattr(self, name) for name in (*STATE_FIELDS, *GROWTH_FIELDS)))
         new = kscale.update(o, cfg, state, finite.astype(bool))
         if cfg.max_consecutive_skips is not None:
             stuck_callback(cfg, new.scale, new.consecutive_nonfinite, loss_finite)
+        if cfg.on_floor == "raise":
+            floor_callback(cfg, kscale.floor_hit(o, cfg, state.scale, new), new.steps, new.scale)
         rows, count = self.history_rows, self.history_count
         if rows is not None:
             row = kring.row(o, new.scale, new.growth_tracker, new.consecutive_nonfinite, new.steps)
             rows, count = kring.record(o, rows, count, row)
         return dataclasses.replace(
-            self, **dict(zip(STATE_FIELDS, new, strict=True)), history_rows=rows, history_count=count
+            self, **dict(zip((*STATE_FIELDS, *GROWTH_FIELDS), new, strict=True)), history_rows=rows,
+            history_count=count,
         )
 
     # -- history -------------------------------------------------------------------
@@ -247,7 +257,9 @@ class LossScale:
         """The state as an :class:`mpx.ScalerState` (reads the device values: not under ``jit``)."""
         plain = plain_loss_scale(self)
         values = jax.device_get(tuple(getattr(plain, name) for name in STATE_FIELDS))
-        return ScalerState(float(values[0]), *(int(v) for v in values[1:]))
+        since = plain.nonfinite_since_growth
+        since = 0 if since is None else int(jax.device_get(since))
+        return ScalerState(float(values[0]), *(int(v) for v in values[1:]), nonfinite_since_growth=since)
 
     def get_scale(self) -> float:
         """The current scale as a Python float (a host read: not under ``jit``; there use ``loss_scale``)."""
@@ -291,7 +303,7 @@ class LossScale:
 
 
 jax.tree_util.register_dataclass(
-    LossScale, data_fields=[*STATE_FIELDS, *HISTORY_FIELDS], meta_fields=["config"]
+    LossScale, data_fields=[*STATE_FIELDS, *HISTORY_FIELDS, *GROWTH_FIELDS], meta_fields=["config"]
 )
 
 
@@ -301,7 +313,7 @@ def plain_loss_scale(loss_scale: LossScale) -> LossScale:
     nnx = nnx_if_loaded()
     if nnx is None:
         return loss_scale
-    values = {name: getattr(loss_scale, name) for name in (*STATE_FIELDS, *HISTORY_FIELDS)}
+    values = {name: getattr(loss_scale, name) for name in (*STATE_FIELDS, *HISTORY_FIELDS, *GROWTH_FIELDS)}
     if not any(isinstance(v, nnx.Variable) for v in values.values()):
         return loss_scale
     plain = {k: v.get_value() if isinstance(v, nnx.Variable) else v for k, v in values.items()}

@@ -39,7 +39,14 @@ import jax.numpy as jnp
 
 import mpx
 from mpx_jax._compat import nnx_if_loaded
-from mpx_jax.loss_scale import HISTORY_FIELDS, STATE_FIELDS, LossScale, config_difference, plain_loss_scale
+from mpx_jax.loss_scale import (
+    GROWTH_FIELDS,
+    HISTORY_FIELDS,
+    STATE_FIELDS,
+    LossScale,
+    config_difference,
+    plain_loss_scale,
+)
 
 __all__ = ["get_loss_scale", "set_loss_scale"]
 
@@ -100,6 +107,14 @@ def _check_replacement(old: LossScale, new: Any) -> LossScale:
                 f"loss_scale.{name}: expected a {jnp.dtype(dtype).name} scalar, got "
                 f"{jnp.result_type(value).name}{list(jnp.shape(value))}."
             )
+    since = new.nonfinite_since_growth
+    if (since is None) != (new.config.hysteresis_reset != "growth") or (
+        since is not None and (jnp.shape(since) != () or jnp.result_type(since) != jnp.int32)
+    ):
+        raise mpx.UnsupportedTypeError(
+            "loss_scale.nonfinite_since_growth: expected an int32 scalar under hysteresis_reset='growth' "
+            "and None otherwise (LossScale.create makes it)."
+        )
     rows, count = new.history_rows, new.history_count
     if (rows is None) != (count is None) or (
         rows is not None
@@ -120,7 +135,7 @@ def _check_replacement(old: LossScale, new: Any) -> LossScale:
 
 def _held(ls: LossScale, nnx: Any) -> tuple[list[Any], bool]:
     """The LossScale's data fields as held (variables or arrays), and whether NNX variables hold them."""
-    held = [getattr(ls, name) for name in (*STATE_FIELDS, *HISTORY_FIELDS)]
+    held = [getattr(ls, name) for name in (*STATE_FIELDS, *HISTORY_FIELDS, *GROWTH_FIELDS)]
     present = [v for v in held if v is not None]
     in_variables = nnx is not None and any(isinstance(v, nnx.Variable) for v in present)
     if in_variables and not all(isinstance(v, nnx.Variable) for v in present):
@@ -154,7 +169,7 @@ def set_loss_scale(opt_state: Any, loss_scale: LossScale) -> Any:
     new = _check_replacement(old, loss_scale)
     held, in_variables = _held(old, nnx)
     if in_variables:
-        names = (*STATE_FIELDS, *HISTORY_FIELDS)
+        names = (*STATE_FIELDS, *HISTORY_FIELDS, *GROWTH_FIELDS)
         if all((v is None) == (getattr(new, n) is None) for n, v in zip(names, held, strict=True)):
             for name, variable in zip(names, held, strict=True):
                 if variable is not None:

@@ -58,7 +58,14 @@ import orbax.checkpoint as ocp
 
 import mpx
 from mpx.versions import require_version
-from mpx_jax.loss_scale import HISTORY_FIELDS, STATE_FIELDS, LossScale, config_difference, plain_loss_scale
+from mpx_jax.loss_scale import (
+    GROWTH_FIELDS,
+    HISTORY_FIELDS,
+    STATE_FIELDS,
+    LossScale,
+    config_difference,
+    plain_loss_scale,
+)
 
 require_version("orbax-checkpoint", ocp.__version__)
 
@@ -205,12 +212,13 @@ def _rebuild(raw: Any, saved: Sequence[_Saved], directory: Any) -> Any:
                 parent = parent[key if isinstance(parent, Sequence) else str(key)]
             last = s.path[-1]
             node = parent[last if isinstance(parent, Sequence) else str(last)]
-        if not isinstance(node, Mapping) or set(node) - set(HISTORY_FIELDS) != set(STATE_FIELDS):
+        if not isinstance(node, Mapping) or set(node) - {*HISTORY_FIELDS, *GROWTH_FIELDS} != set(STATE_FIELDS):
             raise mpx.StateDictError(
                 f"{directory}: {s.where}: expected the five loss-scale arrays {', '.join(STATE_FIELDS)} "
                 f"(and the history ring's, while recording), found {type(node).__name__}"
             )
-        arrays = LossScale(**{name: _field(node, name) for name in STATE_FIELDS}, config=s.config)
+        growth = {name: _field(node, name) if name in node else None for name in GROWTH_FIELDS}
+        arrays = LossScale(**{name: _field(node, name) for name in STATE_FIELDS}, config=s.config, **growth)
         rebuilt[s.where] = arrays
         ring = {name: _field(node, name) if name in node else None for name in HISTORY_FIELDS}
         # a loss scale saved while recording records on, into its restored ring

@@ -18,6 +18,7 @@ from mpx.errors import MPXError, ScalerConfigError, UnsupportedTypeError
 from mpx_keras import _compat
 
 __all__ = [
+    "GROWTH_VARIABLE",
     "STATE_VARIABLES",
     "all_finite",
     "branch",
@@ -113,6 +114,9 @@ STATE_VARIABLES = (
     ("total_steps", "steps", "int32"),
     ("skipped_steps", "skipped_steps", "int32"),
 )
+#: The sixth state variable, made only for ``hysteresis_reset="growth"`` (so a default config's
+#: variables and saved files are as they were).
+GROWTH_VARIABLE = ("nonfinite_since_growth", "nonfinite_since_growth", "int32")
 
 
 def all_finite(grads: Sequence[Any]) -> Any:

@@ -45,7 +45,7 @@ import numpy as np
 import mpx
 from mpx.kernels import ArrayOps, ring
 
-__all__ = ["HistoryBuffer", "LossFlag", "check_stuck_in_step"]
+__all__ = ["HistoryBuffer", "LossFlag", "check_floor_in_step", "check_stuck_in_step"]
 
 ops = keras.ops
 
@@ -147,3 +147,29 @@ def check_stuck_in_step(
         jax.debug.callback(body, scale, consecutive, flag, moved)
     else:  # torch runs the step eagerly; torch.compile traces Python, so a host check is a graph break
         body(*(ops.convert_to_numpy(t) for t in (scale, consecutive, flag, moved)))
+
+
+def check_floor_in_step(config: mpx.ScalerConfig, hit: Any, steps: Any, scale: Any, moved: Any) -> None:
+    """:func:`mpx.check_floor` on the host from inside a traced step, as :func:`check_stuck_in_step`:
+    ``hit`` is :func:`mpx.kernels.scale.floor_hit` of the step (a bool tensor)."""
+    moved = ops.convert_to_tensor(True) if moved is None else moved
+    hit = ops.logical_and(ops.convert_to_tensor(hit), moved)
+
+    def body(h: Any, n: Any, s: Any) -> None:
+        mpx.check_floor(config, bool(np.asarray(h)), int(np.asarray(n)), float(np.asarray(s)))
+
+    backend = keras.config.backend()
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        def tf_body(h: Any, n: Any, s: Any) -> Any:
+            body(h.numpy(), n.numpy(), s.numpy())
+            return tf.constant(0, tf.int32)
+
+        tf.py_function(tf_body, [hit, steps, scale], tf.int32)
+    elif backend == "jax":
+        import jax
+
+        jax.debug.callback(body, hit, steps, scale)
+    else:
+        body(*(ops.convert_to_numpy(t) for t in (hit, steps, scale)))

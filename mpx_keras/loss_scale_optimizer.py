@@ -40,6 +40,7 @@ from mpx.kernels import scale as scale_kernel
 from mpx_keras import _compat
 from mpx_keras._array_ops import KERAS_ARRAY_OPS
 from mpx_keras._step import (
+    GROWTH_VARIABLE,
     HALF,
     INNER_ONLY,
     STATE_VARIABLES,
@@ -51,11 +52,19 @@ from mpx_keras._step import (
     keras_arguments,
 )
 from mpx_keras.accumulation import Window
-from mpx_keras.history import HistoryBuffer, LossFlag, check_stuck_in_step
+from mpx_keras.history import HistoryBuffer, LossFlag, check_floor_in_step, check_stuck_in_step
 
 __all__ = ["INNER_ONLY", "LossScaleOptimizer", "keras_arguments"]
 
 ops = keras.ops
+
+
+#: Why ``on_floor="raise"`` is refused in a step XLA compiles on TensorFlow.
+_XLA_FLOOR = (
+    "on_floor='raise': a step XLA compiles on TensorFlow (jit_compile=True) cannot call the host, and the "
+    "floor check needs the scale before the step; compile with jit_compile=False, or use on_floor='keep' "
+    "with max_consecutive_skips"
+)
 
 
 @keras.saving.register_keras_serializable(package="mpx_keras")
@@ -92,7 +101,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     :meth:`state_dict` / :meth:`load_state_dict`, :meth:`record_history` /
     :meth:`history`, :meth:`last_step_skipped`.  The state is five variables saved with the model:
     ``dynamic_scale`` (float32), ``step_counter`` (mpx's ``growth_tracker``),
-    ``consecutive_nonfinite``, ``steps`` and ``skipped_steps`` (int32).  On the jax
+    ``consecutive_nonfinite``, ``steps`` and ``skipped_steps`` (int32), and under
+    ``hysteresis_reset="growth"`` a sixth, ``nonfinite_since_growth`` (int32).  On the jax
     trainer, read the state after ``fit`` or from a callback: Keras copies the
     values back into the variables at the end of each epoch and when a callback
     reads them.
@@ -148,19 +158,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self._config = cfg
         # The state is created here, not in build(): scale_loss() in a traced step must read a
         # variable even before the first apply().  autocast=False: never read as float16.
-        for attr, saved, dtype in STATE_VARIABLES:
-            with keras.name_scope(self.name, caller=self):
-                var = keras.Variable(
-                    initializer="zeros",
-                    shape=(),
-                    dtype=dtype,
-                    trainable=False,
-                    autocast=False,
-                    aggregation="only_first_replica",
-                    name=saved,
-                )
-            setattr(self, attr, var)
-        self._assign_state(mpx.scaler_init(cfg))
+        for spec in STATE_VARIABLES:
+            self._make_state_variable(*spec)
+        self._assign_state(mpx.scaler_init(cfg), cfg)
         self._mpx_extras = _Extras(cfg)  # a plain object: not tracked, not saved
         self._mpx_window = (  # checked now: an error inside fit's traced step would be masked
             self._window_class(inner_optimizer, f"{type(self).__module__.split('.')[0]}.LossScaleOptimizer")
@@ -168,8 +168,16 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             else None
         )
 
+    def _make_state_variable(self, attr: str, saved: str, dtype: str) -> None:
+        with keras.name_scope(self.name, caller=self):
+            var = keras.Variable(initializer="zeros", shape=(), dtype=dtype, trainable=False, autocast=False,
+                                 aggregation="only_first_replica", name=saved)  # fmt: skip
+        setattr(self, attr, var)
+
     def _state_variables(self) -> list[keras.Variable]:
-        return [getattr(self, attr) for attr, _, _ in STATE_VARIABLES]
+        """The five state variables, and ``nonfinite_since_growth`` where it was made."""
+        specs = (*STATE_VARIABLES, GROWTH_VARIABLE)
+        return [v for v in (getattr(self, attr, None) for attr, _, _ in specs) if v is not None]
 
     # -- Keras's optimizer API ------------------------------------------------------
     def build(self, var_list: Sequence[Any]) -> None:
@@ -311,18 +319,29 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             apply_fn()
 
     def _next_state(self, state: Sequence[Any], finite: Any) -> scale_kernel.ScaleState:
-        """The five state values after a step (the core's kernel on the table; ``state``: their values)."""
-        return scale_kernel.update(self._array_ops, self._config, scale_kernel.ScaleState(*state), finite)
+        """The six state values after a step (the core's kernel on the table; ``state``: their values, the
+        sixth None when no variable holds it: the kernel then passes it through)."""
+        padded = scale_kernel.ScaleState(*state, *[None] * (len(scale_kernel.ScaleState._fields) - len(state)))
+        return scale_kernel.update(self._array_ops, self._config, padded, finite)
 
     def _transition(self, finite: Any) -> None:
         """:func:`mpx.scaler_update` on the variables, the history row and the stuck check."""
         state = self._state_variables()
         new = self._next_state([v.value for v in state], finite)
-        for var, value in zip(state, new, strict=True):
+        cfg = self._config
+        hit = scale_kernel.floor_hit(self._array_ops, cfg, state[0].value, new) if cfg.on_floor == "raise" else None
+        for var, value in zip(state, new[: len(state)], strict=True):
             var.assign(value)
         extras = self._mpx_extras
         if extras.history is not None:
             extras.history.record(self._array_ops, new)
+        if hit is not None:  # on_floor="raise": where the stuck check runs, after the step
+            if is_concrete(finite):
+                mpx.check_floor(cfg, *(ops.convert_to_numpy(t) for t in (hit, new.steps, new.scale)))
+            elif _compat.in_xla_context():
+                raise MPXError(_XLA_FLOOR)
+            else:
+                check_floor_in_step(cfg, hit, new.steps, new.scale, None)
         if self._config.max_consecutive_skips is None:
             return
         if is_concrete(finite):
@@ -427,9 +446,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             new = self._next_state(state, finite)
             if last is not None:  # the scaler moves at the window's last micro-batch only
                 new = scale_kernel.ScaleState(
-                    *(ops.where(last, n, s) for n, s in zip(new, state, strict=True))
+                    *(ops.where(last, n, s) for n, s in zip(new, state, strict=False)), *new[len(state) :]
                 )
-            for var, value in zip(self._state_variables(), new, strict=True):
+            for var, value in zip(self._state_variables(), new[: len(state)], strict=True):
                 var.assign(value)
             if self._mpx_extras.history is not None:
                 self._mpx_extras.history.record(self._array_ops, new, when=last)
@@ -437,6 +456,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             new_extra = [scope.get_current_value(v) for v in extra]
         if cfg.max_consecutive_skips is not None:
             check_stuck_in_step(cfg, new[0], new[2], None, last)
+        if cfg.on_floor == "raise":
+            check_floor_in_step(cfg, scale_kernel.floor_hit(self._array_ops, cfg, state[0], new), new.steps,
+                                new.scale, last)  # fmt: skip
         return list(new_trainable), new_own + list(new_inner) + new_extra
 
     # -- history (mpx_keras.history) ------------------------------------------------------------
@@ -485,6 +507,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             consecutive_nonfinite=int(values[2]),
             steps=int(values[3]),
             skipped_steps=int(values[4]),
+            nonfinite_since_growth=int(values[5]) if len(values) > 5 else 0,
         )
 
     def get_scale(self) -> float:
@@ -513,16 +536,18 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             StateDictError: for a malformed dict.
         """
         config, state = mpx.load_state_dict(state_dict)  # every check first: below, nothing can fail
-        self._assign_state(state)
+        self._assign_state(state, config)
         self._config = config
         self._mpx_extras.configure(config)
         self.initial_scale = config.first_scale
         self.dynamic_growth_steps = config.growth_interval
 
-    def _assign_state(self, state: mpx.ScalerState) -> None:
+    def _assign_state(self, state: mpx.ScalerState, config: mpx.ScalerConfig) -> None:
+        if config.hysteresis_reset == "growth" and getattr(self, GROWTH_VARIABLE[0], None) is None:
+            self._make_state_variable(*GROWTH_VARIABLE)  # a load into a scaler built without it
         values = (np.float32(state.scale), state.growth_tracker, state.consecutive_nonfinite, state.steps,
-                  state.skipped_steps)  # fmt: skip
-        for var, value in zip(self._state_variables(), values, strict=True):
+                  state.skipped_steps, state.nonfinite_since_growth)  # fmt: skip
+        for var, value in zip(self._state_variables(), values, strict=False):
             var.assign(np.asarray(value, dtype=var.dtype))
 
     # -- serialization ---------------------------------------------------------------------

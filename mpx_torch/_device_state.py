@@ -20,7 +20,7 @@ __all__ = ["DeviceState"]
 
 
 class DeviceState:
-    """The scale (float32) and the four counters (int32) of :class:`mpx.ScalerState` as tensors on one device.
+    """The scale (float32) and the five counters (int32) of :class:`mpx.ScalerState` as tensors on one device.
 
     :meth:`advance` runs one step of the kernel and writes the results into these tensors in place
     (code holding ``scaler._scale`` sees the new scale, as with torch's GradScaler).  ``updates``
@@ -37,6 +37,9 @@ class DeviceState:
         self.consecutive_nonfinite = self._full(state.consecutive_nonfinite, torch.int32)
         self.steps = self._full(state.steps, torch.int32)
         self.skipped_steps = self._full(state.skipped_steps, torch.int32)
+        self.nonfinite_since_growth = self._full(state.nonfinite_since_growth, torch.int32)
+        #: :func:`mpx.kernels.scale.floor_hit` of the last step (a bool tensor), kept with ``on_floor="raise"``
+        self.floor_hit: Any = False
         self.updates = state.steps
 
     def _full(self, value: Any, dtype: torch.dtype) -> torch.Tensor:
@@ -45,7 +48,8 @@ class DeviceState:
     def tensors(self) -> kernel.ScaleState:
         """The state as the kernel's :class:`~mpx.kernels.scale.ScaleState` of these tensors."""
         return kernel.ScaleState(
-            self.scale, self.growth_tracker, self.consecutive_nonfinite, self.steps, self.skipped_steps
+            self.scale, self.growth_tracker, self.consecutive_nonfinite, self.steps, self.skipped_steps,
+            self.nonfinite_since_growth,
         )
 
     def set_config(self, config: ScalerConfig) -> None:
@@ -74,11 +78,16 @@ class DeviceState:
             found_inf = found_inf.reshape(())
         before = self.tensors()
         after = kernel.update(self.ops, self.config, before, torch.eq(found_inf, 0))
+        if self.config.on_floor == "raise":  # before the in-place copies overwrite the old scale
+            self.floor_hit = kernel.floor_hit(self.ops, self.config, before.scale.clone(), after)
         for old, new in zip(before, after, strict=True):
             if new is not old:
                 old.copy_(new)
         self.updates += 1
 
 
-def _counters(state: ScalerState) -> tuple[int, int, int, int]:
-    return state.growth_tracker, state.consecutive_nonfinite, state.steps, state.skipped_steps
+def _counters(state: ScalerState) -> tuple[int, int, int, int, int]:
+    return (
+        state.growth_tracker, state.consecutive_nonfinite, state.steps, state.skipped_steps,
+        state.nonfinite_since_growth,
+    )  # fmt: skip

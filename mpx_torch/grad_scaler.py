@@ -55,7 +55,7 @@ from mpx_torch._optimizer_step import (
 )
 from mpx_torch._process_group import agree_found_inf, check_process_group, group_to_agree
 from mpx_torch._scaler_state import as_config, as_neutral, new_scale_value
-from mpx_torch.history import HistoryBuffer, check_stuck_after, loss_finite_flag
+from mpx_torch.history import HistoryBuffer, check_floor_after, check_stuck_after, loss_finite_flag
 
 __all__ = ["GradScaler", "OptState", "OptimizerStep"]
 
@@ -371,6 +371,9 @@ class GradScaler(torch.amp.GradScaler):
             if self._config.max_consecutive_skips is not None:
                 loss_finite, self._loss_finite = self._loss_finite, None
                 check_stuck_after(self._config, tensors, loss_finite)
+            if self._config.on_floor == "raise":
+                self._per_optimizer_states = defaultdict(OptimizerStep)  # the step is over, raised or not
+                check_floor_after(self._config, tensors)
         self._per_optimizer_states = defaultdict(OptimizerStep)
 
     # -- history (mpx_torch.history) ------------------------------------------------------

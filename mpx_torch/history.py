@@ -27,10 +27,10 @@ from mpx.kernels import ring
 from mpx.kernels.ring import ROW_FIELDS, check_capacity
 from mpx.kernels.scale import ScaleState
 from mpx.scaling import ScalerConfig
-from mpx.stuck import check_stuck
+from mpx.stuck import check_floor, check_stuck
 from mpx_torch._array_ops import ops_for
 
-__all__ = ["HistoryBuffer", "check_stuck_after", "log_history", "loss_finite_flag"]
+__all__ = ["HistoryBuffer", "check_floor_after", "check_stuck_after", "log_history", "loss_finite_flag"]
 
 
 class HistoryBuffer:
@@ -78,6 +78,15 @@ def check_stuck_after(config: ScalerConfig, tensors: Any, loss_finite: torch.Ten
     scale, consecutive, finite = values.tolist()
     # stacklevel: past this function, update() and its eager wrapper, to update()'s caller
     check_stuck(config, scale, int(consecutive), int(finite), stacklevel=5)
+
+
+def check_floor_after(config: ScalerConfig, tensors: Any) -> None:
+    """:func:`mpx.check_floor` after ``GradScaler.update`` with ``on_floor="raise"``: one host read of the
+    step's floor flag, the step count and the scale (the same read stuck detection makes)."""
+    values = torch.stack([torch.as_tensor(tensors.floor_hit, device=tensors.device).double(),
+                          tensors.steps.double(), tensors.scale.double()])  # fmt: skip
+    hit, steps, scale = values.tolist()
+    check_floor(config, hit, int(steps), scale)
 
 
 def log_history(history: Any, writer: Any, *, prefix: str = "loss_scaler", since: int = 0) -> int:

@@ -100,6 +100,9 @@ def scaler_configs(draw: Any) -> mpx.ScalerConfig:
         min_scale=lo,
         max_scale=hi,
         hysteresis=draw(st.integers(1, 3)),
+        hysteresis_reset=draw(st.sampled_from(["finite", "growth"])),
+        first_growth_delay=draw(st.integers(0, 2)),
+        on_floor=draw(st.sampled_from(["keep", "raise"])),
         skip_nonfinite=draw(st.sampled_from([None, True, False])),
     )
 
@@ -199,8 +202,11 @@ def _scale_trace(o: ArrayOps, config: mpx.ScalerConfig, flags: Any) -> Any:
     state = ks.initial(o, config)
     outs = []
     for i in range(flags.shape[0]):
+        before = state.scale
         state = ks.update(o, config, state, flags[i])
         outs.extend(state)
+        hit = ks.floor_hit(o, config, before, state)
+        outs.append(o.cast(hit, "int32") if hit is not False else o.int32(0))
     return tuple(outs)
 
 

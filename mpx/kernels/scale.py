@@ -31,6 +31,7 @@ __all__ = [
     "ScaleState",
     "ScalerRule",
     "bump",
+    "floor_hit",
     "initial",
     "product_bits",
     "scale_product_bits",
@@ -60,6 +61,8 @@ class ScalerRule(Protocol):
     kind: str
     growth_interval: int
     hysteresis: int
+    hysteresis_reset: str
+    first_growth_delay: int
     skip_nonfinite: bool
     growth_factor: float
     backoff_factor: float
@@ -78,18 +81,23 @@ class ScalerRule(Protocol):
 
 
 class ScaleState(NamedTuple):
-    """The scaler's state as a backend's arrays: float32 ``scale``, int32 counters."""
+    """The scaler's state as a backend's arrays: float32 ``scale``, int32 counters.
+
+    ``nonfinite_since_growth`` counts the non-finite steps since the last growth step (or the
+    start) under ``hysteresis_reset="growth"`` only; it stays 0 under ``"finite"``.
+    """
 
     scale: Any
     growth_tracker: Any
     consecutive_nonfinite: Any
     steps: Any
     skipped_steps: Any
+    nonfinite_since_growth: Any
 
 
 def initial(o: ArrayOps, config: ScalerRule) -> ScaleState:
     """The state before the first step, as the table's arrays."""
-    return ScaleState(o.float32(config.first_scale), *(o.int32(0) for _ in range(4)))
+    return ScaleState(o.float32(config.first_scale), *(o.int32(0) for _ in range(5)))
 
 
 def bump(o: ArrayOps, counter: Any, by: Any = True) -> Any:
@@ -190,6 +198,11 @@ def _step_product_bits(o: ArrayOps, config: ScalerRule, scale: Any, finite: Any)
     return product_bits(o, to_bits(o, scale), _Limbs(limbs, pick(grow.exponent, back.exponent)))  # type: ignore[arg-type]
 
 
+def _hysteresis_count(config: ScalerRule, state: ScaleState) -> Any:
+    """The count a back-off waits on: non-finite steps in a row (``"finite"``) or since the last growth."""
+    return state.nonfinite_since_growth if config.hysteresis_reset == "growth" else state.consecutive_nonfinite
+
+
 def update(o: ArrayOps, config: ScalerRule, state: ScaleState, finite: Any) -> ScaleState:
     """The state after a step whose gradients were ``finite`` (a bool scalar array; traced or not).
 
@@ -199,24 +212,50 @@ def update(o: ArrayOps, config: ScalerRule, state: ScaleState, finite: Any) -> S
     ``min_scale`` (2**-126 for None).  Positive float32 values order as their bits, so the
     bounds apply to the bits.  The step counts as skipped when it is not finite and
     ``config.skip_nonfinite``.  What the config fixes (a hysteresis of 1, no ceiling, no
-    skipping) is decided here, in Python, and leaves its selects out of the traced step.
+    skipping, the default reset and delay) is decided here, in Python, and leaves its selects
+    out of the traced step.
+
+    DeepSpeed's modes: ``first_growth_delay`` d > 0 makes the first growth after a non-finite
+    step (or the start) wait ``growth_interval + d`` finite steps and each later one
+    ``growth_interval`` (the tracker restarts at d after a growth, at 0 after a non-finite step);
+    ``hysteresis_reset="growth"`` counts the non-finite steps since the last growth step
+    (``nonfinite_since_growth``) instead of those in a row, so only a growth refills the budget.
     """
     consecutive = o.where(finite, 0, bump(o, state.consecutive_nonfinite))
-    scale, tracker = state.scale, state.growth_tracker
+    scale, tracker, since = state.scale, state.growth_tracker, state.nonfinite_since_growth
     if config.kind == "dynamic":
         lo, hi = config.bounds
+        delay = config.first_growth_delay
         sbits = to_bits(o, scale)
         product = _step_product_bits(o, config, scale, finite)
         grown = o.minimum(product, bits_of(hi)) if hi != math.inf else product
         grown = o.where(o.lt(product, INF_BITS), grown, sbits)  # a growth to inf keeps the scale
         backed = o.maximum(product, bits_of(lo))
-        if config.hysteresis > 1:  # else every non-finite step backs off
-            backed = o.where(o.le(config.hysteresis, consecutive), backed, sbits)
         counted = o.add(tracker, 1)
-        hit = o.eq(counted, config.growth_interval)
+        hit = o.eq(counted, config.growth_interval + delay)
+        if config.hysteresis_reset == "growth":
+            since = bump(o, since, o.logical_not(finite))
+        if config.hysteresis > 1:  # else every non-finite step backs off
+            count = since if config.hysteresis_reset == "growth" else consecutive
+            backed = o.where(o.le(config.hysteresis, count), backed, sbits)
         scale = from_bits(o, o.where(finite, o.where(hit, grown, sbits), backed))
-        tracker = o.where(finite, o.where(hit, 0, counted), 0)
+        tracker = o.where(finite, o.where(hit, delay, counted), 0)
+        if config.hysteresis_reset == "growth":
+            since = o.where(o.logical_and(finite, hit), 0, since)
     skipped = state.skipped_steps
     if config.skip_nonfinite:
         skipped = bump(o, skipped, o.logical_not(finite))
-    return ScaleState(scale, tracker, consecutive, bump(o, state.steps), skipped)
+    return ScaleState(scale, tracker, consecutive, bump(o, state.steps), skipped, since)
+
+
+def floor_hit(o: ArrayOps, config: ScalerRule, old_scale: Any, new: ScaleState) -> Any:
+    """Whether the step that produced ``new`` was due to back off while the scale (``old_scale``,
+    before the step) was already at its floor: the condition ``on_floor="raise"`` raises on
+    (DeepSpeed's "Current loss scale already at minimum").  A bool array; a Python False for a
+    scale that never moves."""
+    if config.kind != "dynamic":
+        return False
+    due = o.lt(0, new.consecutive_nonfinite)
+    if config.hysteresis > 1:
+        due = o.logical_and(due, o.le(config.hysteresis, _hysteresis_count(config, new)))
+    return o.logical_and(due, o.le(to_bits(o, old_scale), bits_of(config.bounds[0])))

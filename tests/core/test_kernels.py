@@ -46,26 +46,30 @@ def oracle_scale_product(scale: float, factor: float) -> float:
 
 
 def oracle_scaler_update(config: mpx.ScalerConfig, state: mpx.ScalerState, finite: bool) -> mpx.ScalerState:
-    """DESIGN.md's pseudocode, with the bounds and the non-finite-growth rule."""
+    """DESIGN.md's pseudocode, with the bounds and the non-finite-growth rule, and DeepSpeed's modes
+    (the first growth ``first_growth_delay`` steps later; the hysteresis budget refilled on growth only)."""
     cap = mpx.COUNTER_MAX
-    scale, tracker = state.scale, state.growth_tracker
+    scale, tracker, since = state.scale, state.growth_tracker, state.nonfinite_since_growth
     consecutive = 0 if finite else min(state.consecutive_nonfinite + 1, cap)
+    by_growth = config.hysteresis_reset == "growth"
     if config.kind == "dynamic":
         lo, hi = config.bounds
         if finite:
             tracker += 1
-            if tracker == config.growth_interval:
+            if tracker == config.growth_interval + config.first_growth_delay:
                 grown = oracle_scale_product(scale, config.growth_factor)
                 if math.isfinite(grown):
                     scale = min(grown, hi)
-                tracker = 0
+                tracker = config.first_growth_delay
+                since = 0
         else:
             tracker = 0
-            if consecutive >= config.hysteresis:
+            since = min(since + 1, cap) if by_growth else 0
+            if (since if by_growth else consecutive) >= config.hysteresis:
                 scale = max(oracle_scale_product(scale, config.backoff_factor), lo)
     skipped = (not finite) and config.skip_nonfinite
     return mpx.ScalerState(
-        scale, tracker, consecutive, min(state.steps + 1, cap), min(state.skipped_steps + int(skipped), cap)
+        scale, tracker, consecutive, min(state.steps + 1, cap), min(state.skipped_steps + int(skipped), cap), since
     )
 
 
@@ -143,9 +147,12 @@ def test_scaler_update_is_the_oracle(config, flags):
 @TABLES
 def test_counters_saturate(o):
     cap = mpx.COUNTER_MAX
-    state = ks.ScaleState(o.float32(8.0), o.int32(0), o.int32(cap), o.int32(cap), o.int32(cap))
+    state = ks.ScaleState(o.float32(8.0), o.int32(0), o.int32(cap), o.int32(cap), o.int32(cap), o.int32(0))
     out = ks.update(o, mpx.ScalerConfig(init_scale=8.0), state, np.bool_(False))
-    assert [int(v) for v in out[1:]] == [0, cap, cap, cap]
+    assert [int(v) for v in out[1:]] == [0, cap, cap, cap, 0]
+    state = ks.ScaleState(o.float32(8.0), o.int32(0), o.int32(cap), o.int32(cap), o.int32(cap), o.int32(cap))
+    out = ks.update(o, mpx.ScalerConfig(init_scale=8.0, hysteresis_reset="growth"), state, np.bool_(False))
+    assert [int(v) for v in out[1:]] == [0, cap, cap, cap, cap]
 
 
 # -- FP8 -------------------------------------------------------------------------------------------------
