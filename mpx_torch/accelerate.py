@@ -35,8 +35,9 @@ from typing import Any
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType
+from torch import nn
 
-from mpx import MPXError, OpTable, PolicySpec, ScalerConfig, UnsupportedTypeError, get_policy
+from mpx import MPXError, OpTable, Policy, PolicySpec, ScalerConfig, UnsupportedTypeError, get_policy
 from mpx_torch._compat import step_supports_amp_scaling
 from mpx_torch._integrations import (
     HalfParametersWarning,
@@ -48,13 +49,13 @@ from mpx_torch._integrations import (
     warn_half_parameters,
 )
 from mpx_torch.grad_scaler import GradScaler
-from mpx_torch.prepare import prepare
+from mpx_torch.prepare import prepare, prepared_policy
 
 __all__ = ["HalfParametersWarning", "attach"]
 
 require_library("accelerate")
 
-_UNSUPPORTED = (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM, DistributedType.XLA)
+_UNSUPPORTED = (DistributedType.MEGATRON_LM, DistributedType.XLA)
 
 
 def _prepared(accelerator: Accelerator, what: str) -> list[Any]:
@@ -120,7 +121,9 @@ def _check(accelerator: Any) -> None:
     if isinstance(accelerator.scaler, GradScaler):
         raise MPXError("accelerator: mpx is already attached to this Accelerator (attach it once)")
     requested = accelerator.mixed_precision
-    if requested != "no":
+    # under DeepSpeed, Accelerate reads mixed_precision from the ds_config, where attach() writes the policy
+    # (write_config refuses a ds_config that enables another dtype than the policy's)
+    if requested != "no" and accelerator.distributed_type != DistributedType.DEEPSPEED:
         where = accelerator.device.type
         silently = (
             f" (on {where!r}, Accelerate's fp16 makes no scaler and no autocast: it would train in float32)"
@@ -135,13 +138,41 @@ def _check(accelerator: Any) -> None:
     if accelerator.distributed_type in _UNSUPPORTED:
         raise MPXError(
             f"accelerator: distributed_type {accelerator.distributed_type.value} runs its own mixed precision "
-            "and loss scaling; attach() supports single-process, DDP and FSDP setups"
+            "and loss scaling; attach() supports single-process, DDP, FSDP and DeepSpeed setups"
         )
     if _prepared(accelerator, "models") or _prepared(accelerator, "optimizers"):
         raise MPXError(
             "accelerator: attach() must come before accelerator.prepare(...): a model prepared earlier would "
             "run outside the policy, an optimizer prepared earlier would step unscaled and never skip"
         )
+
+
+def _attach_deepspeed(
+    accelerator: Accelerator,
+    policy: Policy,
+    config: ScalerConfig | Mapping[str, Any] | PolicySpec | None,
+    prepare_kwargs: dict[str, Any],
+) -> Any:
+    """attach() under Accelerate's DeepSpeed plugin: the engine scales, skips and clips; mpx writes the
+    policy into the plugin's ds_config, prepares the model, and reads the engine's scaler."""
+    from mpx_torch.deepspeed import EngineScaler, prepare_for_engine, write_config
+
+    plugin = accelerator.state.deepspeed_plugin
+    write_config(plugin.deepspeed_config, policy, config, owner="DeepSpeedPlugin.deepspeed_config")
+    original_prepare = accelerator.prepare
+
+    # Accelerate hands DeepSpeed's models to deepspeed.initialize without prepare_model: prepared here
+    @functools.wraps(original_prepare)
+    def prepare_all(*args: Any, **kwargs: Any) -> Any:
+        for arg in args:
+            if isinstance(arg, nn.Module) and prepared_policy(arg) is None:
+                prepare_for_engine(arg, policy, **prepare_kwargs)
+        return original_prepare(*args, **kwargs)
+
+    accelerator.prepare = prepare_all  # type: ignore[method-assign]
+    scaler = EngineScaler(lambda: getattr(accelerator.deepspeed_engine_wrapped, "engine", None))
+    accelerator.register_for_checkpointing(scaler)
+    return scaler
 
 
 def attach(
@@ -151,7 +182,7 @@ def attach(
     *,
     device_type: str | Sequence[str] | None = None,
     op_table: OpTable | None = None,
-) -> GradScaler:
+) -> GradScaler | Any:
     """Train under ``policy`` with ``accelerator``; returns the :class:`mpx_torch.GradScaler` it uses.
 
     Call it right after making the Accelerator, before ``accelerator.prepare``.
@@ -180,16 +211,32 @@ def attach(
     ``step_was_skipped`` report the scaler's decision (Accelerate alone reports
     every fused step as taken; this costs one host read per step).
 
+    Under Accelerate's DeepSpeed plugin the engine does the scaling, the
+    skipping (on every rank) and the clipping (``gradient_clipping``, on the
+    unscaled gradients); ``attach`` writes the policy and the scaler config
+    into the plugin's ds_config (:func:`mpx_torch.deepspeed.write_config`:
+    the ``fp16``/``bf16`` block, ``communication_data_type``), prepares each
+    model under the policy, and returns an
+    :class:`mpx_torch.deepspeed.EngineScaler` (the engine's scale and state
+    in mpx's terms), registered for checkpointing so ``save_state`` and
+    ``load_state`` carry the neutral ``mpx.scaler/1`` dict.  ``config``
+    None then means DeepSpeed's defaults
+    (:func:`mpx_torch.deepspeed.scaler_config_for`).
+
     Raises:
         mpx.UnsupportedTypeError: for something other than an Accelerator.
         mpx.MPXError: for an Accelerator with ``mixed_precision`` other than
             ``"no"`` (``"fp16"`` on a CPU would otherwise train in float32
-            without a word), a DeepSpeed, Megatron-LM or XLA setup, one to
+            without a word), a Megatron-LM or XLA setup, one to
             which mpx is already attached, or one that already prepared a model or optimizer.
         mpx.PolicyError, mpx.ScalerConfigError: for a bad policy or config.
     """
     _check(accelerator)
     resolved = get_policy(policy)
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        return _attach_deepspeed(
+            accelerator, resolved, config, {"device_type": device_type, "op_table": op_table}
+        )
     scaler = GradScaler(resolved if config is None else config)
     original_prepare_model = accelerator.prepare_model
 

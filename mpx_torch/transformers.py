@@ -81,7 +81,15 @@ class MPXTrainerMixin:
     Raises:
         mpx.MPXError: for ``TrainingArguments(fp16=True)`` or ``bf16=True``
             (``fp16`` on a CPU would otherwise train in float32 without a
-            word), and for a DeepSpeed or XLA setup.
+            word), a ds_config (``deepspeed=``) that enables ``fp16``/``bf16``
+            other than the policy does, and for an XLA setup.
+
+    With ``TrainingArguments(deepspeed=ds_config)`` the DeepSpeed engine
+    scales, skips (on every rank) and clips (``max_grad_norm``, on the
+    unscaled gradients); mpx writes the policy into the ds_config (leave
+    ``fp16``/``bf16`` out of it or ``"auto"``), prepares the model, and
+    ``scaler`` reads the engine's scale and state; the engine's checkpoint
+    holds its scaler and ``resume_from_checkpoint`` restores it.
         mpx.PolicyError, mpx.ScalerConfigError: for a bad policy or config.
 
     A model holding float16/bfloat16 parameters under a policy with float32
@@ -91,7 +99,7 @@ class MPXTrainerMixin:
     """
 
     policy: Policy
-    scaler: GradScaler
+    scaler: GradScaler | Any  # an mpx_torch.deepspeed.EngineScaler under DeepSpeed
 
     def __init__(
         self,
@@ -109,8 +117,24 @@ class MPXTrainerMixin:
         super().__init__(*args, **kwargs)
 
     def create_accelerator_and_postprocess(self) -> None:
-        """The Trainer's Accelerator, with mpx attached, and the model prepared under the policy."""
-        _check_args(self.args)  # type: ignore[attr-defined]
+        """The Trainer's Accelerator, with mpx attached, and the model prepared under the policy.
+
+        With ``TrainingArguments(deepspeed=...)`` the policy and scaler config are first written into
+        the Trainer's ds_config (:func:`mpx_torch.deepspeed.write_config`), which the DeepSpeed
+        engine then runs; ``scaler`` is an :class:`mpx_torch.deepspeed.EngineScaler`.
+        """
+        args = self.args  # type: ignore[attr-defined]
+        _check_args(args)
+        hf_ds_config = getattr(args, "hf_deepspeed_config", None)
+        if hf_ds_config is not None:
+            from mpx_torch.deepspeed import write_config
+
+            write_config(
+                hf_ds_config.config,
+                self.policy,
+                self._mpx_scaler_config,
+                owner="TrainingArguments(deepspeed=...)",
+            )
         super().create_accelerator_and_postprocess()  # type: ignore[misc]
         self.scaler = attach(
             self.accelerator,  # type: ignore[attr-defined]
@@ -119,13 +143,17 @@ class MPXTrainerMixin:
             **self._mpx_prepare,
         )
         model = self.model  # type: ignore[attr-defined]
-        if model is not None:  # None with model_init: the accelerator prepares the model train() makes
+        if model is not None and hf_ds_config is not None:
+            from mpx_torch.deepspeed import prepare_for_engine
+
+            prepare_for_engine(model, self.policy, **self._mpx_prepare)
+        elif model is not None:  # None with model_init: the accelerator prepares the model train() makes
             warn_half_parameters(model, self.policy, stacklevel=5)
             prepare(model, self.policy, **self._mpx_prepare)
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         """The Trainer's log, plus ``loss_scale`` and ``skipped_steps`` in training logs (one host read)."""
-        if "loss" in logs and self.scaler.is_enabled():
+        if "loss" in logs and (self.scaler.is_enabled() or getattr(self.args, "hf_deepspeed_config", None)):
             state = self.scaler.state
             logs["loss_scale"] = state.scale
             logs["skipped_steps"] = state.skipped_steps
