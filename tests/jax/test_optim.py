@@ -13,15 +13,17 @@ import mpx
 import mpx_jax
 from mpx_jax.optim import PolicyOptimizerState, policy_optimizer
 
-POLICY = {"plain": "bfloat16", "kahan": "bf16_kahan", "stochastic": "bf16_sr"}
-
 
 def _bits(x):
     return np.asarray(jnp.asarray(x, jnp.float32)).view(np.int32)
 
 
 def _run_trace(case, step_fn=None):
-    tx = policy_optimizer(optax.sgd(case["lr"]), POLICY[case["update"]], seed=case["seed"])
+    tx = policy_optimizer(
+        optax.sgd(case["lr"], momentum=case.get("momentum") or None),
+        optim_parity.policy_of(case),
+        seed=case["seed"],
+    )
     params = {"a": jnp.asarray(case["w0"][0], jnp.bfloat16), "b": jnp.asarray(case["w0"][1], jnp.bfloat16)}
     state = tx.init(params)
 
@@ -59,6 +61,19 @@ def test_sgd_trace_is_the_core_reference(case):
 @settings(max_examples=4, deadline=None)
 @given(optim_parity.traces())
 def test_sgd_trace_under_jit_is_the_core_reference(case):
+    _check(case, _run_trace(case, jax.jit))
+
+
+@settings(max_examples=8, deadline=None)
+@given(optim_parity.momentum_traces())
+def test_momentum_trace_with_stored_state_is_the_core_reference(case):
+    """SGD momentum 0.5, the trace stored in float32, bfloat16 or int8 blocks: the bits torch and Keras give."""
+    _check(case, _run_trace(case))
+
+
+@settings(max_examples=3, deadline=None)
+@given(optim_parity.momentum_traces())
+def test_momentum_trace_under_jit_is_the_core_reference(case):
     _check(case, _run_trace(case, jax.jit))
 
 

@@ -24,8 +24,20 @@ def _bits(t):
 @settings(max_examples=25, deadline=None)
 @given(optim_parity.traces())
 def test_sgd_trace_is_the_core_reference(case):
+    _check_trace(case)
+
+
+@settings(max_examples=10, deadline=None)
+@given(optim_parity.momentum_traces())
+def test_momentum_trace_with_stored_state_is_the_core_reference(case):
+    """SGD momentum 0.5, the buffer stored in float32, bfloat16 or int8 blocks: the bits optax and Keras give."""
+    _check_trace(case)
+
+
+def _check_trace(case):
     params = [torch.nn.Parameter(torch.from_numpy(case["w0"][i]).to(torch.bfloat16)) for i in range(2)]
-    opt = PolicyOptimizer(torch.optim.SGD(params, lr=case["lr"]), POLICY[case["update"]], seed=case["seed"])
+    inner = torch.optim.SGD(params, lr=case["lr"], momentum=case.get("momentum", 0.0))
+    opt = PolicyOptimizer(inner, optim_parity.policy_of(case), seed=case["seed"])
     for step, (want_w, want_c) in enumerate(optim_parity.reference_trace(case)):
         for i, p in enumerate(params):
             p.grad = torch.from_numpy(case["grads"][step, i]).to(torch.bfloat16)
