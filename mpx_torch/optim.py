@@ -38,10 +38,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import ml_dtypes
+import numpy as np
 import torch
 
 from mpx import Policy, PolicySpec, get_policy
-from mpx.errors import PolicyError, StateDictError
+from mpx import optim_checkpoint as ckpt
+from mpx.errors import PolicyError, StateDictError, UnsupportedTypeError
 from mpx.kernels import blockwise, rounding
 from mpx.update_policy import int8_block
 from mpx_torch._array_ops import ops_for
@@ -266,3 +269,84 @@ class PolicyOptimizer:
                 self._extra.setdefault(params[int(index)], {})[key] = value.clone().to(
                     params[int(index)].device
                 )
+
+    # -- the neutral checkpoint (mpx.optim/1) ------------------------------------------------------
+    def _kind(self) -> str:
+        """The neutral optimizer kind of the wrapped optimizer (``adam`` or ``sgd``)."""
+        if isinstance(self.optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+            if any(g.get("amsgrad") for g in self.optimizer.param_groups):
+                raise UnsupportedTypeError("optimizer: amsgrad has no mpx.optim/1 form; use amsgrad=False")
+            return "adam"
+        if isinstance(self.optimizer, torch.optim.SGD):
+            return "sgd"
+        raise UnsupportedTypeError(
+            f"optimizer: {type(self.optimizer).__name__} has no mpx.optim/1 form; Adam, AdamW and SGD have"
+        )
+
+    def neutral_state_dict(self) -> dict[str, Any]:
+        """This optimizer's state as the framework-neutral ``mpx.optim/1`` dict of numpy arrays
+        (:mod:`mpx.optim_checkpoint`), which mpx_jax's and mpx_keras's policy optimizers read.
+
+        Raises:
+            mpx.UnsupportedTypeError: for a wrapped optimizer other than Adam, AdamW (no amsgrad) and SGD.
+        """
+        kind = self._kind()
+        params = []
+        for _, p in self._params():
+            extra, state = self._extra.get(p, {}), self.optimizer.state.get(p, {})
+            entry: dict[str, np.ndarray] = {}
+            if "kahan_comp" in extra:
+                entry["kahan_comp"] = _to_numpy(extra["kahan_comp"])
+            elif self.policy.update == "kahan":
+                entry["kahan_comp"] = np.zeros(tuple(p.shape), ckpt.BF16)
+            if "master" in extra:
+                entry["master"] = _to_numpy(extra["master"])
+            for name in ckpt.MOMENTS[kind]:
+                if f"{name}.q" in extra:
+                    entry[f"{name}.q"] = _to_numpy(extra[f"{name}.q"])
+                    entry[f"{name}.absmax"] = _to_numpy(extra[f"{name}.absmax"])
+                elif torch.is_tensor(state.get(name)):
+                    entry[name] = _to_numpy(state[name])
+            params.append(entry)
+        return ckpt.make(self.policy, seed=self.seed, step=self.steps, optimizer=kind, params=params)
+
+    def load_neutral_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Read an ``mpx.optim/1`` dict (from any backend's :meth:`neutral_state_dict`): the compensation, masters,
+        moments (in their stored form), seed and step; the next step is the one the saving optimizer would take.
+
+        Raises:
+            mpx.StateDictError: naming the field that does not fit this optimizer (policy, shapes, dtypes, kind).
+        """
+        kind = self._kind()
+        params = [p for _, p in self._params()]
+        d = ckpt.check(state_dict, self.policy, [tuple(p.shape) for p in params], optimizer=kind)
+        self.seed, self.steps = d["seed"], d["step"]
+        self._extra = {}
+        for p, entry in zip(params, d["params"], strict=True):
+            extra: dict[str, torch.Tensor] = {}
+            state: dict[str, Any] = {}
+            for name, value in entry.items():
+                target = extra if name in ("kahan_comp", "master") or name.endswith((".q", ".absmax")) else state
+                target[name] = _from_numpy(value, p.device)
+            if kind == "adam" and any(n.startswith("exp_avg") for n in entry):
+                state["step"] = torch.tensor(float(d["step"]), dtype=torch.float32)
+            if state:
+                self.optimizer.state[p] = state
+            else:
+                self.optimizer.state.pop(p, None)
+            if extra:
+                self._extra[p] = extra
+
+
+def _to_numpy(t: torch.Tensor) -> np.ndarray:
+    """A tensor as numpy (bfloat16 as ``ml_dtypes.bfloat16``), copied."""
+    t = t.detach().cpu()
+    if t.dtype == torch.bfloat16:
+        return t.float().numpy().astype(ml_dtypes.bfloat16)
+    return t.numpy().copy()
+
+
+def _from_numpy(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    if a.dtype == ckpt.BF16:
+        return torch.from_numpy(a.astype(np.float32)).to(device=device, dtype=torch.bfloat16)
+    return torch.from_numpy(np.array(a)).to(device)
