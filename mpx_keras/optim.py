@@ -38,9 +38,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import keras
+import numpy as np
 
 from mpx import Policy, PolicySpec, get_policy
-from mpx.errors import PolicyError, UnsupportedTypeError
+from mpx import optim_checkpoint as ckpt
+from mpx.errors import PolicyError, StateDictError, UnsupportedTypeError
 from mpx.kernels import blockwise, rounding
 from mpx.update_policy import int8_block
 from mpx_keras._array_ops import KERAS_ARRAY_OPS as O
@@ -48,6 +50,16 @@ from mpx_keras._array_ops import KERAS_ARRAY_OPS as O
 __all__ = ["PolicyOptimizer"]
 
 ops = keras.ops
+
+
+def _host(v: Any) -> np.ndarray:
+    """A variable's value as a float32 numpy array (bfloat16 widened exactly)."""
+    return np.asarray(ops.convert_to_numpy(ops.cast(v, "float32")), np.float32)
+
+
+def _torch_convention(value: np.ndarray, f: float) -> np.ndarray:
+    """A Keras moment in torch's convention (divided by ``f``; ``+ 0.0``: Keras's ``-lr * 0`` is ``-0.0``)."""
+    return (value / np.float32(f) + np.float32(0.0)).astype(np.float32)
 
 
 def _size(shape: Sequence[int]) -> int:
@@ -251,6 +263,107 @@ class PolicyOptimizer(keras.optimizers.Optimizer):
         if self._work[index] is not self._trainable_variables[index]:
             out["work"] = self._work[index]
         return out
+
+    # -- the neutral checkpoint (mpx.optim/1) --------------------------------------------------
+    def _moments(self) -> tuple[str, dict[str, list[Any]], float]:
+        """The neutral kind, the wrapped optimizer's moment variables by neutral name (one per model variable),
+        and the factor from torch's convention to Keras's (``-lr`` for SGD's momentum, which holds the step)."""
+        inner = self.inner_optimizer
+        if not self.built:
+            raise StateDictError("optimizer: build it first (optimizer.build(model.trainable_variables))")
+        index = [inner._get_variable_index(w) for w in self._work]
+        if isinstance(inner, keras.optimizers.Adam | keras.optimizers.AdamW):
+            if inner.amsgrad:
+                raise UnsupportedTypeError(
+                    "inner_optimizer: amsgrad has no mpx.optim/1 form; use amsgrad=False"
+                )
+            moments = {"exp_avg": inner._momentums, "exp_avg_sq": inner._velocities}
+            return "adam", {k: [v[j] for j in index] for k, v in moments.items()}, 1.0
+        if isinstance(inner, keras.optimizers.SGD):
+            lr = float(ops.convert_to_numpy(inner.learning_rate))
+            found = {"momentum_buffer": [inner.momentums[j] for j in index]} if inner.momentum else {}
+            return "sgd", found, -lr
+        raise UnsupportedTypeError(
+            f"inner_optimizer: {type(inner).__name__} has no mpx.optim/1 form; Adam, AdamW and SGD have"
+        )
+
+    def _storage(self) -> dict[int, tuple[Any, Any]]:
+        """Each wrapped variable's storage (by ``id``): ``(bf16 variable or int8 codes, absmaxes or None)``."""
+        inner_vars = self.inner_optimizer.variables
+        return {id(inner_vars[k]): (s, a) for k, s, a in self._stored}
+
+    def neutral_state_dict(self) -> dict[str, Any]:
+        """This optimizer's state as the framework-neutral ``mpx.optim/1`` dict of numpy arrays
+        (:mod:`mpx.optim_checkpoint`), which mpx_torch's and mpx_jax's policy optimizers read (a host read).
+
+        Keras's SGD keeps ``-lr * buf`` where torch keeps ``buf``: the dict holds torch's (divided by ``-lr``:
+        exact for a power-of-two rate, one float32 rounding otherwise).
+
+        Raises:
+            mpx.UnsupportedTypeError: for a wrapped optimizer other than Adam, AdamW (no amsgrad) and SGD.
+            mpx.StateDictError: before the optimizer is built.
+        """
+        kind, moments, f = self._moments()
+        storage = self._storage()
+        params = []
+        for i, (v, work) in enumerate(zip(self._trainable_variables, self._work, strict=True)):
+            entry: dict[str, np.ndarray] = {}
+            if self._comp[i] is not None:
+                entry["kahan_comp"] = _host(self._comp[i]).astype(ckpt.BF16)
+            if work is not v and self.policy.master_dtype == "float32":
+                entry["master"] = _host(work)
+            for name, variables in moments.items():
+                var = variables[i]
+                stored, absmax = storage.get(id(var), (None, None))
+                if absmax is not None:
+                    q = ops.convert_to_numpy(stored).astype(np.int8)
+                    entry[f"{name}.q"] = q if f > 0 else (-q).astype(np.int8)
+                    entry[f"{name}.absmax"] = (_host(absmax) / np.float32(abs(f))).astype(np.float32)
+                elif stored is not None:
+                    entry[name] = _torch_convention(_host(stored), f).astype(ckpt.BF16)
+                else:
+                    entry[name] = _torch_convention(_host(var), f)
+            params.append(entry)
+        return ckpt.make(self.policy, seed=self.seed, step=self.policy_steps, optimizer=kind, params=params)
+
+    def load_neutral_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Read an ``mpx.optim/1`` dict (from any backend's ``neutral_state_dict``) into this built optimizer: the
+        compensation, masters, moments (stored form), seed and step (also the wrapped optimizer's ``iterations``).
+        Load before the first compiled step (the seed is read when a step is traced).
+
+        Raises:
+            mpx.StateDictError: naming the field that does not fit (policy, shapes, dtypes, kind), or when the
+                optimizer is not built.
+        """
+        kind, moments, f = self._moments()
+        shapes = [tuple(int(d) for d in v.shape) for v in self._trainable_variables]
+        d = ckpt.check(state_dict, self.policy, shapes, optimizer=kind)
+        storage = self._storage()
+        for i, (v, work, entry) in enumerate(
+            zip(self._trainable_variables, self._work, d["params"], strict=True)
+        ):
+            if self._comp[i] is not None:
+                self._comp[i].assign(ops.cast(entry["kahan_comp"].astype(np.float32), "bfloat16"))
+            if "master" in entry and work is not v:
+                work.assign(entry["master"])
+            for name, variables in moments.items():
+                var = variables[i]
+                stored, absmax = storage.get(id(var), (None, None))
+                if absmax is not None:
+                    q = entry.get(f"{name}.q", np.zeros(tuple(stored.shape), np.int8))
+                    stored.assign(q if f > 0 else (-q).astype(np.int8))
+                    a = entry.get(f"{name}.absmax", np.zeros(tuple(absmax.shape), np.float32))
+                    absmax.assign((a * np.float32(abs(f))).astype(np.float32))
+                else:
+                    value = entry.get(name, np.zeros(tuple(var.shape), np.float32)).astype(np.float32)
+                    value = (value * np.float32(f)).astype(np.float32)
+                    if stored is not None:
+                        stored.assign(ops.cast(value, "bfloat16"))
+                    else:
+                        var.assign(value)
+        self.seed = d["seed"]
+        self._policy_steps.assign(d["step"])
+        self.inner_optimizer.iterations.assign(d["step"])
 
     def get_config(self) -> dict[str, Any]:
         return {

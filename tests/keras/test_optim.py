@@ -79,6 +79,66 @@ def test_momentum_trace_under_jax_jit(case):
     _check(case, _trace(case, jit=True)[0])
 
 
+@settings(max_examples=6, deadline=None)
+@given(optim_parity.momentum_traces())
+def test_neutral_checkpoint_is_the_reference_and_resumes_from_it(case):
+    """After k steps the mpx.optim/1 dict equals the numpy reference's (the one torch and optax save too: Keras's
+    SGD momentum, -lr * buf, converted); an optimizer that reads the reference's dict continues the trace."""
+    k = (len(case["grads"]) + 1) // 2
+    ws = [keras.Variable(case["w0"][i], dtype="bfloat16") for i in range(2)]
+    opt = PolicyOptimizer(
+        keras.optimizers.SGD(case["lr"], momentum=0.5), optim_parity.policy_of(case), seed=case["seed"]
+    )
+    for grads in case["grads"][:k]:
+        opt.apply([ops.cast(grads[i], "bfloat16") for i in range(2)], ws)
+    saved = optim_parity.reference_checkpoint(case, k)
+    assert optim_parity.equal_checkpoints(opt.neutral_state_dict(), saved)
+    trace = optim_parity.reference_trace(case)
+    ws = [keras.Variable(trace[k - 1][0][i], dtype="bfloat16") for i in range(2)]
+    opt = PolicyOptimizer(keras.optimizers.SGD(case["lr"], momentum=0.5), optim_parity.policy_of(case))
+    opt.build(ws)
+    opt.load_neutral_state_dict(saved)
+    assert opt.seed == case["seed"] and opt.policy_steps == k
+    for t in range(k, len(trace)):
+        opt.apply([ops.cast(case["grads"][t][i], "bfloat16") for i in range(2)], ws)
+        for i in range(2):
+            assert np.array_equal(_bits(ws[i]), trace[t][0][i].view(np.int32)), (t, i)
+            if case["update"] == "kahan":
+                assert np.array_equal(_bits(opt.state_of(i)["kahan_comp"]), trace[t][1][i].view(np.int32))
+
+
+@pytest.mark.parametrize("policy", ["bf16_kahan,opt_state=int8:32", "bf16_sr,opt_state=bf16"])
+def test_neutral_checkpoint_of_adamw_round_trips_and_resumes(policy):
+    rng = np.random.default_rng(3)
+    w0 = [rng.standard_normal((4, 40)).astype(np.float32), np.zeros(40, np.float32)]
+    g = [ops.cast(x * 0.5 + 0.25, "bfloat16") for x in w0]
+
+    def make():
+        ws = [keras.Variable(x, dtype="bfloat16") for x in w0]
+        opt = PolicyOptimizer(keras.optimizers.AdamW(1e-2), policy, seed=9)
+        opt.build(ws)
+        return ws, opt
+
+    ws, opt = make()
+    for _ in range(2):
+        opt.apply(g, ws)
+    saved = opt.neutral_state_dict()
+    ws2, opt2 = make()
+    for v, w in zip(ws2, ws, strict=True):
+        v.assign(w)
+    opt2.load_neutral_state_dict(saved)
+    assert optim_parity.equal_checkpoints(opt2.neutral_state_dict(), saved)
+    opt.apply(g, ws)
+    opt2.apply(g, ws2)
+    for v, w in zip(ws2, ws, strict=True):
+        assert np.array_equal(_bits(v), _bits(w))
+    assert optim_parity.equal_checkpoints(opt2.neutral_state_dict(), opt.neutral_state_dict())
+    with pytest.raises(mpx.StateDictError, match="policy"):
+        other = PolicyOptimizer(keras.optimizers.AdamW(1e-2), "bf16_sr")
+        other.build(ws2)
+        other.load_neutral_state_dict(saved)
+
+
 def test_int8_adam_state_is_the_numpy_kernel_of_the_float32_moments():
     rng = np.random.default_rng(0)
     w = keras.Variable(rng.standard_normal((5, 13)).astype(np.float32), dtype="float32")
