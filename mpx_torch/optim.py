@@ -35,6 +35,7 @@ an LR scheduler takes the wrapped optimizer (the two share ``param_groups``):
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -44,13 +45,13 @@ import torch
 
 from mpx import Policy, PolicySpec, get_policy
 from mpx import optim_checkpoint as ckpt
-from mpx.errors import PolicyError, StateDictError, UnsupportedTypeError
+from mpx.errors import MPXError, PolicyError, StateDictError, UnsupportedTypeError
 from mpx.kernels import blockwise, rounding
 from mpx.update_policy import int8_block
 from mpx_torch._array_ops import ops_for
 from mpx_torch.prepare import prepared_policy
 
-__all__ = ["PolicyOptimizer"]
+__all__ = ["PolicyOptimizer", "attach_policy", "attached_policy"]
 
 _STEP_KEYS = ("step",)  # state entries that are counters, never cast
 
@@ -85,6 +86,7 @@ class PolicyOptimizer:
         self.optimizer = optimizer
         self.seed = seed
         self.steps = 0  # steps taken (a skipped step is not one): the generator's step counter
+        self._inner_step: Callable[..., Any] | None = None  # attach_policy: the optimizer's step before it
         self._extra: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
 
     # -- the optimizer's surface -------------------------------------------------------------
@@ -158,7 +160,7 @@ class PolicyOptimizer:
             p.grad = grad.float()
             swapped.append((index, p, storage, grad, old))
         try:
-            self.optimizer.step()
+            (self._inner_step or self.optimizer.step)()
         finally:
             for index, p, storage, grad, old in swapped:
                 new = p.data
@@ -225,7 +227,7 @@ class PolicyOptimizer:
             for key, value in self._extra.get(p, {}).items():
                 tensors.setdefault(key, {})[index] = value.clone()
         mpx_state = {"policy": str(self.policy), "seed": self.seed, "steps": self.steps, "tensors": tensors}
-        return {"optimizer": self.optimizer.state_dict(), "mpx": mpx_state}
+        return {"optimizer": type(self.optimizer).state_dict(self.optimizer), "mpx": mpx_state}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Read a :meth:`state_dict` back: the wrapped optimizer's state keeps its stored dtype (torch would
@@ -258,7 +260,7 @@ class PolicyOptimizer:
                 )
                 if value is not None and value.is_floating_point():
                     p.data = torch.empty_like(p.data, dtype=value.dtype)
-            self.optimizer.load_state_dict(state_dict["optimizer"])
+            type(self.optimizer).load_state_dict(self.optimizer, state_dict["optimizer"])
         finally:
             for p, data in saved:
                 p.data = data
@@ -326,7 +328,9 @@ class PolicyOptimizer:
             extra: dict[str, torch.Tensor] = {}
             state: dict[str, Any] = {}
             for name, value in entry.items():
-                target = extra if name in ("kahan_comp", "master") or name.endswith((".q", ".absmax")) else state
+                target = (
+                    extra if name in ("kahan_comp", "master") or name.endswith((".q", ".absmax")) else state
+                )
                 target[name] = _from_numpy(value, p.device)
             if kind == "adam" and any(n.startswith("exp_avg") for n in entry):
                 state["step"] = torch.tensor(float(d["step"]), dtype=torch.float32)
@@ -336,6 +340,58 @@ class PolicyOptimizer:
                 self.optimizer.state.pop(p, None)
             if extra:
                 self._extra[p] = extra
+
+
+def attach_policy(optimizer: torch.optim.Optimizer, policy: PolicySpec, *, seed: int = 0) -> PolicyOptimizer:
+    """Step ``optimizer`` itself under ``policy``'s memory keys, in place, and return the :class:`PolicyOptimizer`
+    that does it.
+
+    ``optimizer`` stays the ``torch.optim`` object LR schedulers, Accelerate, the HF Trainer and Lightning hold:
+    its ``step`` (this instance's only) is the policy optimizer's, which calls the step it had before (an LR
+    scheduler's counting wrapper included); its ``state_dict()`` is torch's plus the wrapper's part under
+    ``"mpx"`` (:meth:`PolicyOptimizer.state_dict`), which its ``load_state_dict`` reads back.
+    :func:`mpx_torch.accelerate.attach` (so :class:`mpx_torch.transformers.MPXTrainer`) and
+    :class:`mpx_torch.lightning.MPXPrecision` call it for a policy that names ``master``, ``update`` or
+    ``opt_state`` (:func:`mpx.update_policy.needs_policy_optimizer`).
+
+    Raises:
+        mpx.MPXError: when a policy is already attached to ``optimizer``.
+        mpx.PolicyError: as :class:`PolicyOptimizer`.
+    """
+    if attached_policy(optimizer) is not None:
+        raise MPXError("optimizer: a policy is already attached to it (mpx_torch.optim.attach_policy)")
+    wrapper = PolicyOptimizer(optimizer, policy, seed=seed)
+    wrapper._inner_step = optimizer.step
+    optimizer._mpx_policy_optimizer = wrapper  # type: ignore[attr-defined]
+    optimizer.step = types.MethodType(_attached_step, optimizer)  # type: ignore[method-assign]
+    optimizer.state_dict = types.MethodType(_attached_state_dict, optimizer)  # type: ignore[method-assign]
+    optimizer.load_state_dict = types.MethodType(_attached_load_state_dict, optimizer)  # type: ignore[method-assign]
+    return wrapper
+
+
+def attached_policy(optimizer: Any) -> PolicyOptimizer | None:
+    """The :class:`PolicyOptimizer` :func:`attach_policy` attached to ``optimizer``, or None."""
+    return getattr(optimizer, "_mpx_policy_optimizer", None)
+
+
+def _attached_step(self: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
+    return self._mpx_policy_optimizer.step(closure)  # type: ignore[attr-defined]
+
+
+def _attached_state_dict(self: torch.optim.Optimizer) -> dict[str, Any]:
+    saved = self._mpx_policy_optimizer.state_dict()  # type: ignore[attr-defined]
+    return {**saved["optimizer"], "mpx": saved["mpx"]}
+
+
+def _attached_load_state_dict(self: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+    state_dict = dict(state_dict)
+    mpx_state = state_dict.pop("mpx", None)
+    if mpx_state is None:
+        raise StateDictError(
+            "state_dict: this optimizer steps under an mpx policy; its state dict has no 'mpx' entry "
+            "(it was saved without the policy)"
+        )
+    self._mpx_policy_optimizer.load_state_dict({"optimizer": state_dict, "mpx": mpx_state})  # type: ignore[attr-defined]
 
 
 def _to_numpy(t: torch.Tensor) -> np.ndarray:
