@@ -42,6 +42,7 @@ __all__ = [
     "UPDATE_PRESETS",
     "check_fields",
     "int8_block",
+    "needs_policy_optimizer",
     "opt_state_value",
     "update_text",
 ]
@@ -136,3 +137,11 @@ def update_text(param_dtype: str, master: str, update: str, opt_state: str) -> s
     if opt_state != "float32":
         text += f",opt_state={opt_state}"
     return text
+
+
+def needs_policy_optimizer(policy: Any) -> bool:
+    """Whether ``policy`` (an :class:`mpx.Policy`) names a memory key that only a policy optimizer honours: a
+    float32 master over narrower params, ``update=kahan|stochastic``, or an ``opt_state`` other than float32."""
+    return (
+        policy.master_dtype != policy.param_dtype or policy.update != "plain" or policy.opt_state != "float32"
+    )

@@ -40,16 +40,24 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from mpx import Policy, PolicySpec, get_policy
-from mpx.errors import PolicyError, UnsupportedTypeError
+from mpx import optim_checkpoint as ckpt
+from mpx.errors import PolicyError, StateDictError, UnsupportedTypeError
 from mpx.kernels import blockwise, rounding
 from mpx.update_policy import int8_block
 from mpx_jax._array_ops import JAX_OPS as O
 from mpx_jax.casting import is_floating_array
 
-__all__ = ["PolicyOptimizerState", "Quantized", "policy_optimizer"]
+__all__ = [
+    "PolicyOptimizerState",
+    "Quantized",
+    "load_neutral_state_dict",
+    "neutral_state_dict",
+    "policy_optimizer",
+]
 
 
 @jax.tree_util.register_pytree_node_class
@@ -228,3 +236,116 @@ def policy_optimizer(
 def _merge(master: Any, params: Any) -> Any:
     """``params`` with each narrow leaf replaced by its float32 master."""
     return jax.tree_util.tree_map(lambda p, m: m if _narrow(p) else p, params, master)
+
+
+# -- the neutral checkpoint (mpx.optim/1) ----------------------------------------------------------
+#: The optax states that hold moments, their neutral kind and (field, neutral name) pairs.
+_MOMENT_STATES = {
+    optax.ScaleByAdamState: ("adam", (("mu", "exp_avg"), ("nu", "exp_avg_sq"))),
+    optax.TraceState: ("sgd", (("trace", "momentum_buffer"),)),
+}
+
+
+def _is_moments(x: Any) -> bool:
+    return type(x) in _MOMENT_STATES
+
+
+def _moment_node(inner_state: Any) -> Any:
+    found = [x for x in jax.tree_util.tree_leaves(inner_state, is_leaf=_is_moments) if _is_moments(x)]
+    if len(found) != 1:
+        raise UnsupportedTypeError(
+            f"state: the wrapped transformation holds {len(found)} Adam/trace states; mpx.optim/1 holds one "
+            "(optax.adam, optax.adamw or optax.sgd)"
+        )
+    return found[0]
+
+
+def neutral_state_dict(
+    state: PolicyOptimizerState, params: Any, policy: PolicySpec, *, seed: int = 0
+) -> dict[str, Any]:
+    """The :func:`policy_optimizer` ``state`` (over ``params``) as the framework-neutral ``mpx.optim/1`` dict of
+    numpy arrays (:mod:`mpx.optim_checkpoint`), which torch's and Keras's policy optimizers read.
+
+    ``policy`` and ``seed`` are the ones the transformation was built with (the state does not hold them).
+
+    Raises:
+        mpx.UnsupportedTypeError: unless the wrapped transformation holds exactly one ``ScaleByAdamState``
+            (``optax.adam``, ``optax.adamw``) or ``TraceState`` (``optax.sgd`` with momentum).
+    """
+    pol = get_policy(policy)
+    node = _moment_node(state.inner_state)
+    kind, fields = _MOMENT_STATES[type(node)]
+    p_leaves, treedef = jax.tree_util.tree_flatten(params)
+    per_field = {name: treedef.flatten_up_to(getattr(node, field)) for field, name in fields}
+    comps = treedef.flatten_up_to(state.kahan_comp) if state.kahan_comp is not None else None
+    masters = treedef.flatten_up_to(state.master) if state.master is not None else None
+    out = []
+    for i, p in enumerate(p_leaves):
+        entry: dict[str, np.ndarray] = {}
+        if comps is not None:
+            entry["kahan_comp"] = np.asarray(comps[i])
+        if masters is not None and _narrow(p):
+            entry["master"] = np.asarray(masters[i])
+        for name, leaves in per_field.items():
+            leaf = leaves[i]
+            if isinstance(leaf, Quantized):
+                entry[f"{name}.q"], entry[f"{name}.absmax"] = np.asarray(leaf.q), np.asarray(leaf.absmax)
+            else:
+                entry[name] = np.asarray(leaf)
+        out.append(entry)
+    return ckpt.make(pol, seed=seed, step=int(state.step), optimizer=kind, params=out)
+
+
+def load_neutral_state_dict(
+    state: PolicyOptimizerState, params: Any, state_dict: dict[str, Any], policy: PolicySpec, *, seed: int = 0
+) -> PolicyOptimizerState:
+    """A :func:`policy_optimizer` state holding the ``mpx.optim/1`` dict ``state_dict`` (from any backend); ``state``
+    (``tx.init(params)``) gives the structure.  The next ``tx.update`` is the step the saving optimizer would take.
+
+    Raises:
+        mpx.StateDictError: naming the field that does not fit (policy, shapes, dtypes, kind), or a seed other
+            than the transformation's (``seed``: build ``policy_optimizer(..., seed=saved seed)``).
+    """
+    pol = get_policy(policy)
+    node = _moment_node(state.inner_state)
+    kind, fields = _MOMENT_STATES[type(node)]
+    p_leaves, treedef = jax.tree_util.tree_flatten(params)
+    d = ckpt.check(state_dict, pol, [tuple(p.shape) for p in p_leaves], optimizer=kind)
+    if d["seed"] != seed:
+        raise StateDictError(
+            f"seed: the checkpoint's is {d['seed']}, this transformation's {seed}; "
+            f"build policy_optimizer(tx, policy, seed={d['seed']})"
+        )
+    entries = d["params"]
+    step = d["step"]
+    block = int8_block(pol.opt_state)
+    if all(any(name in e or f"{name}.q" in e for _, name in fields) for e in entries):
+        replaced = {}
+        for field, name in fields:
+            leaves = []
+            for p, e in zip(p_leaves, entries, strict=True):
+                if block is not None:
+                    leaves.append(
+                        Quantized(jnp.asarray(e[f"{name}.q"]), jnp.asarray(e[f"{name}.absmax"]), p.shape)
+                    )
+                else:
+                    leaves.append(jnp.asarray(e[name]))
+            replaced[field] = treedef.unflatten(leaves)
+        if kind == "adam":
+            replaced["count"] = jnp.asarray(step, jnp.asarray(node.count).dtype)
+        new_node = node._replace(**replaced)
+        inner = jax.tree_util.tree_map(
+            lambda x: new_node if x is node else x, state.inner_state, is_leaf=_is_moments
+        )
+    else:
+        inner = state.inner_state
+    comp = state.kahan_comp
+    if comp is not None:
+        comp = treedef.unflatten([jnp.asarray(e["kahan_comp"]) for e in entries])
+    master = state.master
+    if master is not None:
+        m_leaves = treedef.flatten_up_to(master)
+        master = treedef.unflatten(
+            [jnp.asarray(e["master"]) if "master" in e else m for e, m in zip(entries, m_leaves, strict=True)]
+        )
+    return PolicyOptimizerState(inner, jnp.asarray(step, jnp.int32), comp, master)

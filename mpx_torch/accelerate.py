@@ -1,7 +1,8 @@
 """mpx in Hugging Face Accelerate: ``attach(accelerator, policy)``.
 
 >>> import torch
->>> from accelerate import Accelerator
+>>> import torch
+from accelerate import Accelerator
 >>> from mpx_torch.accelerate import attach
 >>> accelerator = Accelerator(cpu=True)
 >>> scaler = attach(accelerator, "mixed_bfloat16")
@@ -32,12 +33,14 @@ import types
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType
 from torch import nn
 
 from mpx import MPXError, OpTable, Policy, PolicySpec, ScalerConfig, UnsupportedTypeError, get_policy
+from mpx.update_policy import needs_policy_optimizer
 from mpx_torch._compat import step_supports_amp_scaling
 from mpx_torch._integrations import (
     HalfParametersWarning,
@@ -49,6 +52,7 @@ from mpx_torch._integrations import (
     warn_half_parameters,
 )
 from mpx_torch.grad_scaler import GradScaler
+from mpx_torch.optim import attach_policy, attached_policy
 from mpx_torch.prepare import prepare, prepared_policy
 
 __all__ = ["HalfParametersWarning", "attach"]
@@ -250,6 +254,9 @@ def attach(
 
     @functools.wraps(original_prepare_optimizer)
     def prepare_optimizer(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(optimizer, torch.optim.Optimizer) and needs_policy_optimizer(resolved):
+            if attached_policy(optimizer) is None:  # master/update/opt_state keys: the policy optimizer steps
+                attach_policy(optimizer, resolved)
         accelerated = original_prepare_optimizer(optimizer, *args, **kwargs)
         if isinstance(accelerated, AcceleratedOptimizer) and step_supports_amp_scaling(accelerated.optimizer):
             _report_fused_skips(accelerated, scaler)

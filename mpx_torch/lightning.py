@@ -45,6 +45,7 @@ from torch.nn import Module
 from torch.optim import LBFGS, Optimizer
 
 from mpx import MPXError, OpTable, Policy, PolicySpec, ScalerConfig, get_policy
+from mpx.update_policy import needs_policy_optimizer
 from mpx_torch._compat import step_supports_amp_scaling
 from mpx_torch._integrations import (
     HalfParametersWarning,
@@ -58,6 +59,7 @@ from mpx_torch._integrations import (
 )
 from mpx_torch.autocast import autocast, to_torch_dtype
 from mpx_torch.grad_scaler import GradScaler
+from mpx_torch.optim import attach_policy, attached_policy
 from mpx_torch.prepare import prepare
 
 __all__ = ["HalfParametersWarning", "MPXFabricPrecision", "MPXPrecision"]
@@ -177,6 +179,22 @@ class _MPXPlugin:
         trained = [m for m in self._modules if any(id(p) in params for p in m.parameters())]
         commit_models(trained, self.scaler if self.scaler is not None else False)
 
+    def _attach_policy(self, optimizers: Sequence[Any], *, late: bool = False) -> None:
+        """A policy naming master/update/opt_state keys steps each optimizer through
+        :func:`mpx_torch.optim.attach_policy` (``late``: at its first step, refused once it has state)."""
+        if not needs_policy_optimizer(self.policy):
+            return
+        for optimizer in optimizers:
+            if not isinstance(optimizer, Optimizer) or attached_policy(optimizer) is not None:
+                continue
+            if late and optimizer.state:
+                raise MPXError(
+                    f"optimizer: policy {str(self.policy)!r} steps it through mpx_torch.optim.attach_policy, but it "
+                    "already holds state loaded or stepped without the policy; call "
+                    "mpx_torch.optim.attach_policy(optimizer, policy) before fabric.setup and before loading"
+                )
+            attach_policy(optimizer, self.policy)
+
     def forward_context(self) -> contextlib.AbstractContextManager:
         """The policy's :class:`mpx_torch.autocast` (around each training, validation, test and predict step)."""
         return autocast(self.policy, self._device_type, op_table=self._op_table)
@@ -255,6 +273,12 @@ class MPXPrecision(_MPXPlugin, Precision):
         if self.scaler is not None:
             tensor = self.scaler.scale(tensor)
         return super().pre_backward(tensor, module)
+
+    def connect(self, model: Module, optimizers: list[Any], lr_schedulers: list[Any]) -> Any:
+        """Lightning's hook after ``configure_optimizers``: attach the policy optimizer (before any checkpoint
+        is restored into the optimizers)."""
+        self._attach_policy(optimizers)
+        return super().connect(model, optimizers, lr_schedulers)
 
     def optimizer_step(  # type: ignore[override]
         self,
@@ -355,6 +379,7 @@ class MPXFabricPrecision(_MPXPlugin, FabricPrecision):
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         """Step when the gradients are finite (unscaling first unless clipping did), update the scaler."""
+        self._attach_policy([optimizer], late=True)
         if self.scaler is None or not self.scaler.is_enabled():
             output = super().optimizer_step(optimizer, **kwargs)
             self._commit_float8(optimizer)

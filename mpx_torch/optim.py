@@ -35,19 +35,23 @@ an LR scheduler takes the wrapped optimizer (the two share ``param_groups``):
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import ml_dtypes
+import numpy as np
 import torch
 
 from mpx import Policy, PolicySpec, get_policy
-from mpx.errors import PolicyError, StateDictError
+from mpx import optim_checkpoint as ckpt
+from mpx.errors import MPXError, PolicyError, StateDictError, UnsupportedTypeError
 from mpx.kernels import blockwise, rounding
 from mpx.update_policy import int8_block
 from mpx_torch._array_ops import ops_for
 from mpx_torch.prepare import prepared_policy
 
-__all__ = ["PolicyOptimizer"]
+__all__ = ["PolicyOptimizer", "attach_policy", "attached_policy"]
 
 _STEP_KEYS = ("step",)  # state entries that are counters, never cast
 
@@ -82,6 +86,7 @@ class PolicyOptimizer:
         self.optimizer = optimizer
         self.seed = seed
         self.steps = 0  # steps taken (a skipped step is not one): the generator's step counter
+        self._inner_step: Callable[..., Any] | None = None  # attach_policy: the optimizer's step before it
         self._extra: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
 
     # -- the optimizer's surface -------------------------------------------------------------
@@ -155,7 +160,7 @@ class PolicyOptimizer:
             p.grad = grad.float()
             swapped.append((index, p, storage, grad, old))
         try:
-            self.optimizer.step()
+            (self._inner_step or self.optimizer.step)()
         finally:
             for index, p, storage, grad, old in swapped:
                 new = p.data
@@ -222,7 +227,7 @@ class PolicyOptimizer:
             for key, value in self._extra.get(p, {}).items():
                 tensors.setdefault(key, {})[index] = value.clone()
         mpx_state = {"policy": str(self.policy), "seed": self.seed, "steps": self.steps, "tensors": tensors}
-        return {"optimizer": self.optimizer.state_dict(), "mpx": mpx_state}
+        return {"optimizer": type(self.optimizer).state_dict(self.optimizer), "mpx": mpx_state}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Read a :meth:`state_dict` back: the wrapped optimizer's state keeps its stored dtype (torch would
@@ -255,7 +260,7 @@ class PolicyOptimizer:
                 )
                 if value is not None and value.is_floating_point():
                     p.data = torch.empty_like(p.data, dtype=value.dtype)
-            self.optimizer.load_state_dict(state_dict["optimizer"])
+            type(self.optimizer).load_state_dict(self.optimizer, state_dict["optimizer"])
         finally:
             for p, data in saved:
                 p.data = data
@@ -266,3 +271,138 @@ class PolicyOptimizer:
                 self._extra.setdefault(params[int(index)], {})[key] = value.clone().to(
                     params[int(index)].device
                 )
+
+    # -- the neutral checkpoint (mpx.optim/1) ------------------------------------------------------
+    def _kind(self) -> str:
+        """The neutral optimizer kind of the wrapped optimizer (``adam`` or ``sgd``)."""
+        if isinstance(self.optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+            if any(g.get("amsgrad") for g in self.optimizer.param_groups):
+                raise UnsupportedTypeError("optimizer: amsgrad has no mpx.optim/1 form; use amsgrad=False")
+            return "adam"
+        if isinstance(self.optimizer, torch.optim.SGD):
+            return "sgd"
+        raise UnsupportedTypeError(
+            f"optimizer: {type(self.optimizer).__name__} has no mpx.optim/1 form; Adam, AdamW and SGD have"
+        )
+
+    def neutral_state_dict(self) -> dict[str, Any]:
+        """This optimizer's state as the framework-neutral ``mpx.optim/1`` dict of numpy arrays
+        (:mod:`mpx.optim_checkpoint`), which mpx_jax's and mpx_keras's policy optimizers read.
+
+        Raises:
+            mpx.UnsupportedTypeError: for a wrapped optimizer other than Adam, AdamW (no amsgrad) and SGD.
+        """
+        kind = self._kind()
+        params = []
+        for _, p in self._params():
+            extra, state = self._extra.get(p, {}), self.optimizer.state.get(p, {})
+            entry: dict[str, np.ndarray] = {}
+            if "kahan_comp" in extra:
+                entry["kahan_comp"] = _to_numpy(extra["kahan_comp"])
+            elif self.policy.update == "kahan":
+                entry["kahan_comp"] = np.zeros(tuple(p.shape), ckpt.BF16)
+            if "master" in extra:
+                entry["master"] = _to_numpy(extra["master"])
+            for name in ckpt.MOMENTS[kind]:
+                if f"{name}.q" in extra:
+                    entry[f"{name}.q"] = _to_numpy(extra[f"{name}.q"])
+                    entry[f"{name}.absmax"] = _to_numpy(extra[f"{name}.absmax"])
+                elif torch.is_tensor(state.get(name)):
+                    entry[name] = _to_numpy(state[name])
+            params.append(entry)
+        return ckpt.make(self.policy, seed=self.seed, step=self.steps, optimizer=kind, params=params)
+
+    def load_neutral_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Read an ``mpx.optim/1`` dict (from any backend's :meth:`neutral_state_dict`): the compensation, masters,
+        moments (in their stored form), seed and step; the next step is the one the saving optimizer would take.
+
+        Raises:
+            mpx.StateDictError: naming the field that does not fit this optimizer (policy, shapes, dtypes, kind).
+        """
+        kind = self._kind()
+        params = [p for _, p in self._params()]
+        d = ckpt.check(state_dict, self.policy, [tuple(p.shape) for p in params], optimizer=kind)
+        self.seed, self.steps = d["seed"], d["step"]
+        self._extra = {}
+        for p, entry in zip(params, d["params"], strict=True):
+            extra: dict[str, torch.Tensor] = {}
+            state: dict[str, Any] = {}
+            for name, value in entry.items():
+                target = (
+                    extra if name in ("kahan_comp", "master") or name.endswith((".q", ".absmax")) else state
+                )
+                target[name] = _from_numpy(value, p.device)
+            if kind == "adam" and any(n.startswith("exp_avg") for n in entry):
+                state["step"] = torch.tensor(float(d["step"]), dtype=torch.float32)
+            if state:
+                self.optimizer.state[p] = state
+            else:
+                self.optimizer.state.pop(p, None)
+            if extra:
+                self._extra[p] = extra
+
+
+def attach_policy(optimizer: torch.optim.Optimizer, policy: PolicySpec, *, seed: int = 0) -> PolicyOptimizer:
+    """Step ``optimizer`` itself under ``policy``'s memory keys, in place, and return the :class:`PolicyOptimizer`
+    that does it.
+
+    ``optimizer`` stays the ``torch.optim`` object LR schedulers, Accelerate, the HF Trainer and Lightning hold:
+    its ``step`` (this instance's only) is the policy optimizer's, which calls the step it had before (an LR
+    scheduler's counting wrapper included); its ``state_dict()`` is torch's plus the wrapper's part under
+    ``"mpx"`` (:meth:`PolicyOptimizer.state_dict`), which its ``load_state_dict`` reads back.
+    :func:`mpx_torch.accelerate.attach` (so :class:`mpx_torch.transformers.MPXTrainer`) and
+    :class:`mpx_torch.lightning.MPXPrecision` call it for a policy that names ``master``, ``update`` or
+    ``opt_state`` (:func:`mpx.update_policy.needs_policy_optimizer`).
+
+    Raises:
+        mpx.MPXError: when a policy is already attached to ``optimizer``.
+        mpx.PolicyError: as :class:`PolicyOptimizer`.
+    """
+    if attached_policy(optimizer) is not None:
+        raise MPXError("optimizer: a policy is already attached to it (mpx_torch.optim.attach_policy)")
+    wrapper = PolicyOptimizer(optimizer, policy, seed=seed)
+    wrapper._inner_step = optimizer.step
+    optimizer._mpx_policy_optimizer = wrapper  # type: ignore[attr-defined]
+    optimizer.step = types.MethodType(_attached_step, optimizer)  # type: ignore[method-assign]
+    optimizer.state_dict = types.MethodType(_attached_state_dict, optimizer)  # type: ignore[method-assign]
+    optimizer.load_state_dict = types.MethodType(_attached_load_state_dict, optimizer)  # type: ignore[method-assign]
+    return wrapper
+
+
+def attached_policy(optimizer: Any) -> PolicyOptimizer | None:
+    """The :class:`PolicyOptimizer` :func:`attach_policy` attached to ``optimizer``, or None."""
+    return getattr(optimizer, "_mpx_policy_optimizer", None)
+
+
+def _attached_step(self: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
+    return self._mpx_policy_optimizer.step(closure)  # type: ignore[attr-defined]
+
+
+def _attached_state_dict(self: torch.optim.Optimizer) -> dict[str, Any]:
+    saved = self._mpx_policy_optimizer.state_dict()  # type: ignore[attr-defined]
+    return {**saved["optimizer"], "mpx": saved["mpx"]}
+
+
+def _attached_load_state_dict(self: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+    state_dict = dict(state_dict)
+    mpx_state = state_dict.pop("mpx", None)
+    if mpx_state is None:
+        raise StateDictError(
+            "state_dict: this optimizer steps under an mpx policy; its state dict has no 'mpx' entry "
+            "(it was saved without the policy)"
+        )
+    self._mpx_policy_optimizer.load_state_dict({"optimizer": state_dict, "mpx": mpx_state})  # type: ignore[attr-defined]
+
+
+def _to_numpy(t: torch.Tensor) -> np.ndarray:
+    """A tensor as numpy (bfloat16 as ``ml_dtypes.bfloat16``), copied."""
+    t = t.detach().cpu()
+    if t.dtype == torch.bfloat16:
+        return t.float().numpy().astype(ml_dtypes.bfloat16)
+    return t.numpy().copy()
+
+
+def _from_numpy(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    if a.dtype == ckpt.BF16:
+        return torch.from_numpy(a.astype(np.float32)).to(device=device, dtype=torch.bfloat16)
+    return torch.from_numpy(np.array(a)).to(device)

@@ -13,15 +13,17 @@ import mpx
 import mpx_jax
 from mpx_jax.optim import PolicyOptimizerState, policy_optimizer
 
-POLICY = {"plain": "bfloat16", "kahan": "bf16_kahan", "stochastic": "bf16_sr"}
-
 
 def _bits(x):
     return np.asarray(jnp.asarray(x, jnp.float32)).view(np.int32)
 
 
 def _run_trace(case, step_fn=None):
-    tx = policy_optimizer(optax.sgd(case["lr"]), POLICY[case["update"]], seed=case["seed"])
+    tx = policy_optimizer(
+        optax.sgd(case["lr"], momentum=case.get("momentum") or None),
+        optim_parity.policy_of(case),
+        seed=case["seed"],
+    )
     params = {"a": jnp.asarray(case["w0"][0], jnp.bfloat16), "b": jnp.asarray(case["w0"][1], jnp.bfloat16)}
     state = tx.init(params)
 
@@ -60,6 +62,97 @@ def test_sgd_trace_is_the_core_reference(case):
 @given(optim_parity.traces())
 def test_sgd_trace_under_jit_is_the_core_reference(case):
     _check(case, _run_trace(case, jax.jit))
+
+
+@settings(max_examples=8, deadline=None)
+@given(optim_parity.momentum_traces())
+def test_momentum_trace_with_stored_state_is_the_core_reference(case):
+    """SGD momentum 0.5, the trace stored in float32, bfloat16 or int8 blocks: the bits torch and Keras give."""
+    _check(case, _run_trace(case))
+
+
+@settings(max_examples=3, deadline=None)
+@given(optim_parity.momentum_traces())
+def test_momentum_trace_under_jit_is_the_core_reference(case):
+    _check(case, _run_trace(case, jax.jit))
+
+
+def _sgd(case, seed=None):
+    tx = policy_optimizer(
+        optax.sgd(case["lr"], momentum=case["momentum"]),
+        optim_parity.policy_of(case),
+        seed=case["seed"] if seed is None else seed,
+    )
+
+    @jax.jit
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    return tx, step
+
+
+def _pair(x):
+    return {"a": jnp.asarray(x[0], jnp.bfloat16), "b": jnp.asarray(x[1], jnp.bfloat16)}
+
+
+@settings(max_examples=6, deadline=None)
+@given(optim_parity.momentum_traces())
+def test_neutral_checkpoint_is_the_reference_and_resumes_from_it(case):
+    """After k steps the mpx.optim/1 dict equals the numpy reference's (the one torch and Keras save too); a state
+    loaded from the reference's dict continues the reference trace bit for bit."""
+    k = (len(case["grads"]) + 1) // 2
+    tx, step = _sgd(case)
+    params = _pair(case["w0"])
+    state = tx.init(params)
+    for g in case["grads"][:k]:
+        params, state = step(params, state, _pair(g))
+    saved = optim_parity.reference_checkpoint(case, k)
+    policy = optim_parity.policy_of(case)
+    assert optim_parity.equal_checkpoints(
+        mpx_jax.optim.neutral_state_dict(state, params, policy, seed=case["seed"]), saved
+    )
+    trace = optim_parity.reference_trace(case)
+    params = _pair(trace[k - 1][0])
+    state = mpx_jax.optim.load_neutral_state_dict(tx.init(params), params, saved, policy, seed=case["seed"])
+    for t in range(k, len(trace)):
+        params, state = step(params, state, _pair(case["grads"][t]))
+        for i, key in enumerate("ab"):
+            assert np.array_equal(_bits(params[key]), trace[t][0][i].view(np.int32)), (t, key)
+            if case["update"] == "kahan":
+                assert np.array_equal(_bits(state.kahan_comp[key]), trace[t][1][i].view(np.int32)), (t, key)
+
+
+@pytest.mark.parametrize(
+    "policy", ["bf16_kahan,opt_state=int8:32", "bf16_sr,opt_state=bf16", "mixed_bfloat16_8bit_adam"]
+)
+def test_neutral_checkpoint_of_adamw_round_trips_and_resumes(policy):
+    tx = policy_optimizer(optax.adamw(1e-2), policy, seed=9)
+    dtype = jnp.float32 if policy.startswith("mixed") else jnp.bfloat16
+    key = jax.random.PRNGKey(0)
+    params = {"w": jax.random.normal(key, (4, 40)).astype(dtype), "b": jnp.zeros(40, dtype)}
+    grad = jax.tree_util.tree_map(lambda p: (p * 0.5 + 0.25).astype(dtype), params)
+
+    @jax.jit
+    def step(params, state):
+        updates, state = tx.update(grad, state, params)
+        return optax.apply_updates(params, updates), state
+
+    state = tx.init(params)
+    for _ in range(2):
+        params, state = step(params, state)
+    saved = mpx_jax.optim.neutral_state_dict(state, params, policy, seed=9)
+    resumed = mpx_jax.optim.load_neutral_state_dict(tx.init(params), params, saved, policy, seed=9)
+    assert optim_parity.equal_checkpoints(
+        mpx_jax.optim.neutral_state_dict(resumed, params, policy, seed=9), saved
+    )
+    a, state = step(params, state)
+    b, resumed = step(params, resumed)
+    assert _tree_bits(a) == _tree_bits(b) and _tree_bits(state) == _tree_bits(resumed)
+    with pytest.raises(mpx.StateDictError, match="seed: the checkpoint's is 9"):
+        mpx_jax.optim.load_neutral_state_dict(tx.init(params), params, saved, policy, seed=0)
+    with pytest.raises(mpx.StateDictError, match="policy"):
+        mpx_jax.optim.load_neutral_state_dict(tx.init(params), params, saved, "bf16_sr", seed=9)
 
 
 def _tree_bits(tree):

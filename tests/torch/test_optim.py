@@ -24,9 +24,30 @@ def _bits(t):
 @settings(max_examples=25, deadline=None)
 @given(optim_parity.traces())
 def test_sgd_trace_is_the_core_reference(case):
-    params = [torch.nn.Parameter(torch.from_numpy(case["w0"][i]).to(torch.bfloat16)) for i in range(2)]
-    opt = PolicyOptimizer(torch.optim.SGD(params, lr=case["lr"]), POLICY[case["update"]], seed=case["seed"])
-    for step, (want_w, want_c) in enumerate(optim_parity.reference_trace(case)):
+    _check_trace(case)
+
+
+@settings(max_examples=10, deadline=None)
+@given(optim_parity.momentum_traces())
+def test_momentum_trace_with_stored_state_is_the_core_reference(case):
+    """SGD momentum 0.5, the buffer stored in float32, bfloat16 or int8 blocks: the bits optax and Keras give."""
+    _check_trace(case)
+
+
+def _sgd(case, w0, seed=None):
+    params = [torch.nn.Parameter(torch.from_numpy(w0[i]).to(torch.bfloat16)) for i in range(2)]
+    inner = torch.optim.SGD(params, lr=case["lr"], momentum=case.get("momentum", 0.0))
+    return params, PolicyOptimizer(
+        inner, optim_parity.policy_of(case), seed=case["seed"] if seed is None else seed
+    )
+
+
+def _check_trace(case, start=0, params=None, opt=None):
+    if opt is None:
+        params, opt = _sgd(case, case["w0"])
+    trace = optim_parity.reference_trace(case)
+    for step in range(start, len(trace)):
+        want_w, want_c = trace[step]
         for i, p in enumerate(params):
             p.grad = torch.from_numpy(case["grads"][step, i]).to(torch.bfloat16)
         opt.step()
@@ -35,6 +56,58 @@ def test_sgd_trace_is_the_core_reference(case):
             assert np.array_equal(_bits(p), want_w[i].view(np.int32)), (step, i)
             if case["update"] == "kahan":
                 assert np.array_equal(_bits(opt.state_of(p)["kahan_comp"]), want_c[i].view(np.int32))
+
+
+@settings(max_examples=10, deadline=None)
+@given(optim_parity.momentum_traces())
+def test_neutral_checkpoint_is_the_reference_and_resumes_from_it(case):
+    """After k steps the mpx.optim/1 dict equals the numpy reference's (the one optax and Keras save too); a fresh
+    optimizer that reads the reference's dict continues the reference trace bit for bit."""
+    k = (len(case["grads"]) + 1) // 2
+    params, opt = _sgd(case, case["w0"])
+    for step in range(k):
+        for i, p in enumerate(params):
+            p.grad = torch.from_numpy(case["grads"][step, i]).to(torch.bfloat16)
+        opt.step()
+    saved = optim_parity.reference_checkpoint(case, k)
+    assert optim_parity.equal_checkpoints(opt.neutral_state_dict(), saved)
+    params2, opt2 = _sgd(case, optim_parity.reference_trace(case)[k - 1][0], seed=0)
+    opt2.load_neutral_state_dict(saved)
+    assert opt2.seed == case["seed"] and opt2.steps == k
+    _check_trace(case, k, params2, opt2)
+
+
+@pytest.mark.parametrize(
+    "policy", ["bf16_kahan,opt_state=int8:32", "bf16_sr,opt_state=bf16", "mixed_bfloat16_8bit_adam"]
+)
+def test_neutral_checkpoint_of_adamw_round_trips_and_resumes(policy):
+    x = torch.randn(16, 4, generator=torch.Generator().manual_seed(1))
+
+    def run(model, opt, steps):
+        for _ in range(steps):
+            opt.zero_grad()
+            model(x).float().square().mean().backward()
+            opt.step()
+
+    model = _model(policy)
+    opt = PolicyOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), policy, seed=9)
+    run(model, opt, 2)
+    saved = opt.neutral_state_dict()
+    weights = copy.deepcopy(model.state_dict())
+    run(model, opt, 1)
+    resumed = _model(policy)
+    resumed.load_state_dict(weights)
+    opt2 = PolicyOptimizer(torch.optim.AdamW(resumed.parameters(), lr=1e-2), policy)
+    opt2.load_neutral_state_dict(saved)
+    assert optim_parity.equal_checkpoints(opt2.neutral_state_dict(), saved)
+    run(resumed, opt2, 1)
+    for p, q in zip(model.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(p, q)
+    assert optim_parity.equal_checkpoints(opt2.neutral_state_dict(), opt.neutral_state_dict())
+    with pytest.raises(mpx.StateDictError, match="policy"):
+        PolicyOptimizer(torch.optim.AdamW(resumed.parameters()), "bfloat16").load_neutral_state_dict(saved)
+    with pytest.raises(mpx.StateDictError, match="optimizer: the checkpoint holds 'adam' state"):
+        PolicyOptimizer(torch.optim.SGD(resumed.parameters(), lr=0.1), policy).load_neutral_state_dict(saved)
 
 
 @settings(max_examples=15, deadline=None)

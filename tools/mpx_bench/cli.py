@@ -97,6 +97,13 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "with compiles, graphs and graph breaks per configuration",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress display")  # fmt: skip
+    parser.add_argument(
+        "--memory",
+        action="store_true",
+        help="instead of timing: bytes per parameter (weights, grads, compensation/master, optimizer state) per "
+        "policy after one AdamW step of the mlp, counted from the tensors (torch, jax; default policies: "
+        "float32, mixed_bfloat16, bf16_kahan, bf16_sr, mixed_bfloat16_8bit_adam); writes memory.json/.md",
+    )
 
 
 def _usage(prog: str, message: str) -> int:
@@ -147,6 +154,14 @@ def run_bench(args: argparse.Namespace) -> int:
     why = unwritable(args.out)  # before the run, not after it
     if why:
         return _usage(prog, f"--out: {why}")
+    if getattr(args, "memory", False):
+        from mpx_bench import memory
+
+        chosen = policies if args.policy else list(memory.DEFAULT_POLICIES)
+        rows, status = memory.run(names, chosen, args.size, args.out)
+        print(memory.table(rows))
+        print(f"reports: {args.out / 'memory.json'}, {args.out / 'memory.md'}")
+        return status
     data = bench.run(names, model=args.model, size=args.size, policies=policies, steps=steps, warmup=warmup,
                      budget_s=budget, device=args.device, skip_slower_than=skip, timeout_s=timeout,
                      quiet=args.quiet, command=["mpx", "bench", *sys.argv[2:]] if sys.argv[1:2] == ["bench"]

@@ -15,9 +15,11 @@ import optax
 
 import mpx
 import mpx_jax
+from mpx.update_policy import needs_policy_optimizer
 from mpx_compare.workers.common import Settings, batches, record, run_all
 from mpx_jax.flax import policy_apply
 from mpx_jax.float8_linen import Float8Dense, commit_float8, step_outcome
+from mpx_jax.optim import policy_optimizer
 
 __all__ = ["build", "compare", "info"]
 
@@ -132,9 +134,14 @@ def _train(make_model: Callable[..., tuple[nn.Module, Any]], data: Sequence[np.n
     module, variables = _make(make_model, seed, p)
     recipe = _recipe(module, variables, jnp.asarray(data[0][:1])) if _uses_fp8(p) else None
     apply = policy_apply(module, p) if p.lowers_precision or recipe is not None else module.apply
-    tx = mpx_jax.with_loss_scaling(optax.adam(settings.lr), mpx.ScalerConfig.for_policy(p))
+    inner = optax.adam(settings.lr)
+    if needs_policy_optimizer(p):  # master/update/opt_state keys: the policy optimizer steps Adam
+        inner = policy_optimizer(inner, p, seed=seed)
+    tx = mpx_jax.with_loss_scaling(inner, mpx.ScalerConfig.for_policy(p))
     # the optimizer trains the params; the fp8 collection moves by commit_float8, fp8_amax is its sink
     params, rest = variables["params"], {k: v for k, v in variables.items() if k != "params"}
+    if needs_policy_optimizer(p):  # the policy optimizer writes the params in the param dtype (bfloat16 masters)
+        params = mpx_jax.cast_to_param(p, params)
     opt_state = tx.init(params)
     opt_state = mpx_jax.set_loss_scale(opt_state, mpx_jax.get_loss_scale(opt_state).record_history())
 

@@ -13,8 +13,10 @@ from torch import nn
 
 import mpx
 import mpx_torch
+from mpx.update_policy import needs_policy_optimizer
 from mpx_compare.workers.common import Settings, batches, record, run_all
 from mpx_torch import float8
+from mpx_torch.optim import PolicyOptimizer
 
 __all__ = ["build", "compare", "info"]
 
@@ -88,7 +90,9 @@ def _train(make_model: Callable[[int], nn.Module], data: Sequence[np.ndarray], p
     if p.lowers_precision or _uses_fp8(p):
         model = mpx_torch.prepare(model, p)  # under fp8=: the policy's nn.Linear modules run FP8 GEMMs
     fp8_layers = sum(1 for _ in float8.float8_layers(model))
-    opt = torch.optim.Adam(model.parameters(), lr=settings.lr)
+    opt: Any = torch.optim.Adam(model.parameters(), lr=settings.lr)
+    if needs_policy_optimizer(p):  # master/update/opt_state keys: the policy optimizer steps Adam
+        opt = PolicyOptimizer(opt, p, seed=seed)
     scaler = mpx_torch.GradScaler(mpx.ScalerConfig.for_policy(p))
     scaler.record_history()  # on device; read once at the end
     xt, yt, xv, yv = (torch.as_tensor(a).to(device) for a in data)
