@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mpx import MPXError, Policy, PolicyError, PolicySpec, get_policy
+from mpx_torch._compat import fsdp2_mp_policy
 from mpx_torch._process_group import agree_found_inf, check_process_group, group_to_agree
 from mpx_torch.autocast import to_torch_dtype
 from mpx_torch.prepare import module_category, prepare, prepared_policy
@@ -35,6 +36,7 @@ from mpx_torch.prepare import module_category, prepare, prepared_policy
 __all__ = [
     "agree_found_inf",
     "bf16_reduce_hook",
+    "check_fsdp_units",
     "check_process_group",
     "fsdp_mixed_precision",
     "fully_shard",
@@ -235,3 +237,48 @@ def fully_shard(
         if not isinstance(sub, FSDPModule):
             torch_fully_shard(sub, mp_policy=fsdp_mixed_precision(own, root=False), **fully_shard_kwargs)
     return torch_fully_shard(module, mp_policy=fsdp_mixed_precision(root, root=True), **fully_shard_kwargs)
+
+
+def check_fsdp_units(module: nn.Module, policy: PolicySpec) -> list[str]:
+    """Check that every FSDP2 unit inside ``module`` all-gathers and reduces in the dtypes ``policy`` asks.
+
+    For the unit at ``path``, the policy is ``policy.for_module(path, category)``
+    (float32 for the float32-kept norms): its parameters are all-gathered in
+    its compute dtype and its gradients reduced in its ``reduce_dtype``, as
+    :func:`fully_shard` and :func:`fsdp_mixed_precision` set them.  A unit
+    sharded with torch's own ``fully_shard`` and another ``MixedPrecisionPolicy``
+    (its ``None`` fields read as FSDP2 reads them: the stored dtype, then the
+    param dtype) would round a LayerNorm's float32 weights or reduce in
+    another dtype than the policy's.  Returns the paths of the units checked
+    (``""`` for ``module`` itself).
+
+    Raises:
+        mpx.MPXError: naming the first unit whose dtypes differ, what it has and what the policy asks.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    root = get_policy(policy)
+    checked = []
+    for path, sub in module.named_modules():
+        if not isinstance(sub, FSDPModule):
+            continue
+        own = root.for_module(path, module_category(sub))
+        first = next(sub.parameters(), None)
+        if first is None:
+            continue
+        mp = fsdp2_mp_policy(sub)
+        gathered = mp.param_dtype or first.dtype
+        has = (gathered, mp.reduce_dtype or gathered)
+        wants = (to_torch_dtype(own.compute_dtype), to_torch_dtype(own.reduce_dtype))
+        if has != wants:
+            name = path or "the root module"
+            raise MPXError(
+                f"module {name!r}: this FSDP2 unit all-gathers its parameters in "
+                f"{str(has[0]).removeprefix('torch.')} and reduces its gradients in "
+                f"{str(has[1]).removeprefix('torch.')}, but the policy {own} asks for "
+                f"{own.compute_dtype} and {own.reduce_dtype}. Shard with mpx_torch.fully_shard(module, policy, "
+                "mesh=...) (in Lightning's configure_model: mesh=self.device_mesh['data_parallel']), or give "
+                "torch's fully_shard mp_policy=mpx_torch.fsdp_mixed_precision(policy.for_module(path))."
+            )
+        checked.append(path)
+    return checked

@@ -1,0 +1,191 @@
+"""One rank of the 2-process gloo runs of tests/torch/test_fsdp_stacks.py (a spawn target, not a test).
+
+``python tests/torch/fsdp_stack_worker.py SUITE RANK OUT_DIR`` with ``MASTER_ADDR``,
+``MASTER_PORT`` and ``WORLD_SIZE=2`` in the environment (Lightning and Fabric read
+them as processes launched by a cluster: ``LOCAL_RANK``/``RANK`` are set here).
+Runs every scenario of SUITE (``lightning``, ``fabric`` or ``fp8``) and saves what
+it saw to ``OUT_DIR/SUITE-RANK.pt`` (torch.save of plain data).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+import warnings
+
+os.environ.setdefault("MPX_NO_SLOW_WARNING", "1")
+
+INF_STEP = 2  # the step (0-based) at which rank 1's gradient shard gets an inf
+STEPS = 6
+SCALER = {"kind": "dynamic", "init_scale": 2.0**10, "growth_interval": 2}
+POLICY = "mixed_bfloat16"
+RESUMED = {"kind": "dynamic", "init_scale": 2.0**3}  # a config the checkpoint's replaces
+
+
+def _model(seed=0):
+    import torch
+    from torch import nn
+
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 16), nn.LayerNorm(16), nn.ReLU(), nn.Linear(16, 1))
+
+
+def _local(t):
+    return (t._local_tensor if hasattr(t, "_local_tensor") else t).detach().clone()
+
+
+def _shards(params):
+    return [_local(p) for p in params]
+
+
+def _opt_state(opt):
+    """The optimizer state of this rank's shards (tensors cloned), in parameter order."""
+    out = []
+    for group in opt.param_groups:
+        for p in group["params"]:
+            out.append({k: _local(v) for k, v in opt.state.get(p, {}).items()})
+    return out
+
+
+def _inject_inf(params):
+    import torch
+
+    with torch.no_grad():
+        _local_view = next(iter(params)).grad
+        _local_view = _local_view._local_tensor if hasattr(_local_view, "_local_tensor") else _local_view
+        _local_view.view(-1)[0] = float("inf")
+
+
+def _data(rank_seed=7):
+    import torch
+
+    gen = torch.Generator().manual_seed(rank_seed)
+    x = torch.randn(96, 4, generator=gen)
+    return x, (x.sum(1, keepdim=True) * 0.5).tanh()
+
+
+# -- lightning: Trainer + ModelParallelStrategy (FSDP2) -----------------------------------------------------
+def _lightning_fit(tmp, *, config=SCALER, clip=None, inject=True, steps=STEPS, ckpt_in=None, ckpt_out=None):
+    import lightning as L
+    import torch
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from torch.distributed.fsdp import FSDPModule
+
+    import mpx_torch
+    from mpx_torch.lightning_fsdp import MPXModelParallelPrecision
+
+    seen = {"losses": [], "scales": [], "shards": [], "opt": [], "start_state": None}
+
+    class Regressor(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = _model()
+
+        def configure_model(self):
+            if not isinstance(self.net, FSDPModule):
+                policy = self.trainer.precision_plugin.policy
+                mpx_torch.fully_shard(self.net, policy, mesh=self.device_mesh["data_parallel"])
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return (self.net(x).float() - y).pow(2).mean()
+
+        def on_after_backward(self):
+            if inject and self.global_rank == 1 and self.trainer.global_step == INF_STEP:
+                _inject_inf(self.parameters())  # this rank's shard only, after the reduce-scatter
+
+        def on_before_optimizer_step(self, optimizer):  # after the unscale, before clipping
+            grads = [p.grad for p in self.parameters()]
+            seen.setdefault("norms", []).append(float(torch.nn.utils.get_total_norm(grads).full_tensor()))
+
+        def on_train_start(self):
+            seen["start_state"] = self.trainer.precision_plugin.scaler.state_dict()
+
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            seen["losses"].append(float(outputs["loss"]))
+            seen["scales"].append(self.trainer.precision_plugin.scaler.get_scale())
+            seen["shards"].append(_shards(self.parameters()))
+            seen["opt"].append(_opt_state(self.trainer.optimizers[0]))
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=0.02)
+
+    x, y = _data()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+    plugin = MPXModelParallelPrecision(POLICY, config)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=ModelParallelStrategy(
+            data_parallel_size=2, tensor_parallel_size=1, process_group_backend="gloo"
+        ),
+        plugins=[plugin],
+        max_steps=steps,
+        gradient_clip_val=clip,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp,
+    )
+    model = Regressor()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model, loader, ckpt_path=ckpt_in)
+    if ckpt_out is not None:
+        trainer.save_checkpoint(ckpt_out)
+        seen["saved_state"] = plugin.scaler.state_dict()
+    seen["fsdp_units"] = sorted(n for n, m in model.named_modules() if isinstance(m, FSDPModule))
+    return seen
+
+
+def _mismatched_units(rank):
+    """torch's fully_shard with MixedPrecisionPolicy(param_dtype=bfloat16): reduces in bfloat16, not float32."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    import mpx
+    from mpx_torch.distributed import check_fsdp_units
+
+    model = _model()
+    fully_shard(model, mesh=init_device_mesh("cpu", (2,)), mp_policy=MixedPrecisionPolicy(torch.bfloat16))
+    try:
+        check_fsdp_units(model, POLICY)
+    except mpx.MPXError as error:
+        return str(error)
+    return None
+
+
+def suite_lightning(rank, tmp):
+    ckpt = os.path.join(tmp, "resume.ckpt")
+    return {
+        "fit": _lightning_fit(tmp, ckpt_out=ckpt),
+        "resumed": _lightning_fit(tmp, config=RESUMED, steps=STEPS + 2, ckpt_in=ckpt),
+        "clip-scaled": _lightning_fit(tmp, clip=0.05, inject=False, steps=2),
+        "clip-unscaled": _lightning_fit(tmp, config={"kind": "none"}, clip=0.05, inject=False, steps=2),
+        "mismatch": _mismatched_units(rank),
+    }
+
+
+def main(argv):
+    suite, rank, out_dir = argv[1], int(argv[2]), argv[3]
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), NODE_RANK="0")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    # the process group is made here (file-free, from MASTER_ADDR/PORT); Lightning and Fabric reuse it
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        result = {"suite_lightning": suite_lightning}[f"suite_{suite}"](rank, out_dir)
+    except Exception:
+        result = {"error": traceback.format_exc()}
+    torch.save(result, os.path.join(out_dir, f"{suite}-{rank}.pt"))
+    dist.barrier()  # every rank done before teardown (gloo can abort a rank that tears down mid-exchange)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv)

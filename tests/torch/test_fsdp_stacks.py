@@ -1,0 +1,185 @@
+"""mpx inside FSDP through the stacks: Lightning's ModelParallelStrategy (FSDP2) and FSDPStrategy (FSDP1),
+Fabric, and FP8 layers under FSDP2, on two gloo processes (tests/torch/fsdp_stack_worker.py, started once
+per suite); each test reads what the ranks saw.
+
+The four facts for each stack: the loss decreases; an inf injected into one rank's gradient shard skips
+the step on every rank with the shards and the optimizer state bit-identical; clipping sees the unscaled
+gradients (the run with loss scaling equals the run without, bit for bit); resuming restores the scale.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("lightning")
+
+WORKER = Path(__file__).with_name("fsdp_stack_worker.py")
+INF_STEP, STEPS = 2, 6
+HANG_GUARD_S = 1800  # only a hang guard: a rank that dies is noticed at once
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_suite(suite: str, tmp: Path) -> list[dict]:
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")]),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "WORLD_SIZE": "2",
+    }
+    log_paths = [tmp / f"{suite}-{rank}.log" for rank in range(2)]
+    procs = []
+    for rank, log_path in enumerate(log_paths):
+        with open(log_path, "w") as log:  # a file, not a pipe: a chatty rank never blocks on a full pipe
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(WORKER), suite, str(rank), str(tmp)],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+    deadline = time.monotonic() + HANG_GUARD_S
+    try:
+        while any(p.poll() is None for p in procs):
+            if any(p.poll() not in (None, 0) for p in procs) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    logs = [f"rank {rank} (exit {p.returncode}):\n{path.read_text()}" for rank, (p, path) in
+            enumerate(zip(procs, log_paths, strict=True))]  # fmt: skip
+    assert all(p.returncode == 0 for p in procs), "\n".join(logs)
+    results = []
+    for rank in range(2):
+        result = torch.load(tmp / f"{suite}-{rank}.pt", weights_only=False)
+        assert "error" not in result, result.get("error")
+        results.append(result)
+    return results
+
+
+@pytest.fixture(scope="module")
+def lightning_runs(tmp_path_factory):
+    return _run_suite("lightning", tmp_path_factory.mktemp("lightning"))
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    )
+
+
+def _assert_four_facts_of_a_run(runs, key="fit"):
+    """Loss down, one skip at INF_STEP on both ranks with shards and optimizer state unchanged there."""
+    scales = [r[key]["scales"] for r in runs]
+    # growth every 2 finite steps from 2**10, halved by the skipped step on both ranks
+    assert scales[0] == scales[1] == [1024.0, 2048.0, 1024.0, 1024.0, 2048.0, 2048.0]
+    for r in runs:
+        seen = r[key]
+        assert _same(seen["shards"][INF_STEP], seen["shards"][INF_STEP - 1])
+        assert _same(seen["opt"][INF_STEP], seen["opt"][INF_STEP - 1])
+        assert not _same(seen["shards"][INF_STEP + 1], seen["shards"][INF_STEP])
+        losses = seen["losses"]
+        assert sum(losses[-2:]) / 2 < losses[0]  # the mean of the last two below the first
+    # the shards are different pieces of one model: rank 1 holds less of the last Linear than rank 0
+    assert [s.shape for s in runs[0][key]["shards"][0]] != [s.shape for s in runs[1][key]["shards"][0]]
+
+
+def test_lightning_model_parallel_skips_together_and_learns(lightning_runs):
+    _assert_four_facts_of_a_run(lightning_runs)
+    # mpx_torch.fully_shard in configure_model: the float32-kept LayerNorm is a unit of its own
+    assert lightning_runs[0]["fit"]["fsdp_units"] == ["net", "net.1"]
+    norms = lightning_runs[0]["fit"]["norms"]
+    assert norms[INF_STEP] == float("inf") and all(
+        n < float("inf") for i, n in enumerate(norms) if i != INF_STEP
+    )
+
+
+def test_lightning_model_parallel_clips_the_unscaled_gradients(lightning_runs):
+    for r in lightning_runs:
+        scaled, unscaled = r["clip-scaled"], r["clip-unscaled"]
+        assert min(scaled["norms"]) > 0.05  # clipping at 0.05 is active on both steps
+        assert scaled["norms"] == unscaled["norms"]  # the norm clipping sees: unscaled
+        assert _same(scaled["shards"], unscaled["shards"])
+        assert _same(scaled["opt"], unscaled["opt"])
+
+
+def test_lightning_model_parallel_resume_restores_the_scale(lightning_runs):
+    for r in lightning_runs:
+        saved = r["fit"]["saved_state"]
+        assert saved["scale"] == 2048.0
+        # the resumed plugin was made with init_scale 8 and another config: the checkpoint's wins
+        assert r["resumed"]["start_state"] == saved
+        assert r["resumed"]["scales"] == [4096.0, 4096.0]
+
+
+def test_units_sharded_with_another_mixed_precision_are_refused(lightning_runs):
+    message = lightning_runs[0]["mismatch"]
+    assert message.startswith(
+        "module 'the root module': this FSDP2 unit all-gathers its parameters in bfloat16"
+    )
+    assert "reduces its gradients in bfloat16" in message and "asks for bfloat16 and float32" in message
+    assert "mpx_torch.fully_shard" in message
+
+
+# -- FSDPStrategy (FSDP1): the plugin's shape and mapping, and Lightning's refusal on a CPU ----------------
+def test_fsdp_strategy_takes_the_plugin_and_its_mixed_precision():
+    import lightning as L
+    from lightning.pytorch.plugins.precision.fsdp import FSDPPrecision
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    from mpx_torch.lightning_fsdp import MPXFSDPPrecision
+
+    plugin = MPXFSDPPrecision("params=float32,compute=bfloat16,output=float32,reduce=bfloat16")
+    assert isinstance(plugin, FSDPPrecision) and plugin.precision == "bf16-mixed"
+    strategy = FSDPStrategy(precision_plugin=plugin)
+    mp = strategy.mixed_precision_config
+    assert (mp.param_dtype, mp.reduce_dtype, mp.buffer_dtype) == (torch.bfloat16, torch.bfloat16, None)
+    assert plugin.scaler is not None and plugin.scaler.config.kind == "none"
+    # Lightning's Trainer refuses FSDPStrategy without a GPU, whatever the precision plugin
+    with pytest.raises(ValueError, match=r"The strategy `fsdp` requires a GPU accelerator, but received "
+                       r"`accelerator='cpu'`"):  # fmt: skip
+        L.Trainer(accelerator="cpu", devices=2, strategy=strategy)
+
+
+def test_fsdp_plugins_scale_once_and_keep_inputs():
+    import lightning as L
+
+    from mpx_torch.lightning_fsdp import MPXFabricFSDPPrecision, MPXFSDPPrecision
+
+    for cls in (MPXFSDPPrecision, MPXFabricFSDPPrecision):
+        plugin = cls("mixed_float16", {"kind": "dynamic", "init_scale": 8.0})
+        x = torch.ones(2, dtype=torch.float64)
+        assert plugin.convert_input(x) is x
+        with plugin.tensor_init_context():
+            assert torch.empty(1).dtype == torch.float32
+        w = torch.ones((), requires_grad=True)
+        if cls is MPXFabricFSDPPrecision:
+            plugin.backward(w * 1.0, None)
+            assert w.grad.item() == 8.0  # scaled once (FSDPPrecision's own scaler is not used)
+        else:
+            module = L.LightningModule()
+            module.trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False)
+            module.trainer.strategy.connect(module)
+            assert plugin.pre_backward(w * 1.0, module).item() == 8.0
+    assert MPXFSDPPrecision("bfloat16").mixed_precision_config.param_dtype == torch.bfloat16
