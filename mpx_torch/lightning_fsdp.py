@@ -21,8 +21,10 @@ Lightning gives each sharding strategy its own precision shape, and mpx follows 
 Everything else is :class:`mpx_torch.lightning.MPXPrecision`'s: the forward under
 the policy, the loss scaled, clipping on unscaled gradients, one skip decision on
 every rank (the scaler all-reduces its found-inf flag), the scale in the checkpoint.
-On a CPU, Lightning's Trainer refuses ``FSDPStrategy`` ("The strategy `fsdp`
-requires a GPU accelerator"); Fabric runs it on gloo.
+Without a GPU, Lightning refuses ``FSDPStrategy`` whatever the precision plugin
+(the Trainer: "The strategy `fsdp` requires a GPU accelerator", Fabric: "FSDP is
+only available on GPU"), so the FSDP1 plugins are tested for their mapping and
+shape on a CPU, and the FSDP2 ones run on two gloo processes.
 """
 
 from __future__ import annotations
@@ -98,18 +100,22 @@ class MPXFabricModelParallelPrecision(MPXFabricPrecision):
     """:class:`mpx_torch.lightning.MPXFabricPrecision` for Fabric's ``ModelParallelStrategy`` (FSDP2).
 
     Same arguments.  Fabric converts the module before the strategy's
-    ``parallelize_fn`` shards it, so shard there with
+    ``parallelize_fn`` shards it (in place), so shard there with
     ``mpx_torch.fully_shard(module, policy, mesh=mesh["data_parallel"])``;
-    the FSDP2 units are checked against the policy at the first
-    ``fabric.backward`` of each model (:class:`mpx.MPXError` for a mismatch).
+    the FSDP2 units of the modules this plugin converted are checked against
+    the policy at the first ``fabric.backward`` (:class:`mpx.MPXError` for a mismatch).
     """
 
+    def convert_module(self, module: Module) -> Module:
+        """Prepare ``module`` under the policy; its FSDP2 units are checked at the next backward."""
+        prepared = super().convert_module(module)
+        self.__dict__.setdefault("_unchecked", []).append(prepared)
+        return prepared
+
     def backward(self, tensor: torch.Tensor, model: Module | None, *args: Any, **kwargs: Any) -> None:
-        """Check ``model``'s FSDP2 units once, then backward of the scaled loss."""
-        checked = self.__dict__.setdefault("_checked_models", set())
-        if model is not None and id(model) not in checked:
-            check_fsdp_units(model, self.policy)
-            checked.add(id(model))
+        """Check the converted modules' FSDP2 units (once), then backward of the scaled loss."""
+        for module in self.__dict__.pop("_unchecked", []):
+            check_fsdp_units(module, self.policy)
         super().backward(tensor, model, *args, **kwargs)
 
 

@@ -169,6 +169,73 @@ def suite_lightning(rank, tmp):
     }
 
 
+# -- fabric: ModelParallelStrategy (FSDP2) and FSDPStrategy (FSDP1) -----------------------------------------
+def _fabric_run(tmp, rank, kind, *, config=SCALER, clip=None, inject=True, steps=STEPS, save=None, load=None):
+    import lightning as L
+    import torch
+    from lightning.fabric.strategies import ModelParallelStrategy
+
+    import mpx_torch
+    from mpx_torch.lightning_fsdp import MPXFabricModelParallelPrecision
+
+    assert kind == "fsdp2"
+    plugin = MPXFabricModelParallelPrecision(POLICY, config)
+
+    def parallelize(module, mesh):
+        return mpx_torch.fully_shard(module, plugin.policy, mesh=mesh["data_parallel"])
+
+    strategy = ModelParallelStrategy(parallelize, data_parallel_size=2, tensor_parallel_size=1)
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy, plugins=[plugin])
+    fabric.launch()
+    model = fabric.setup_module(_model())
+    opt = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=0.02))
+    seen = {"losses": [], "scales": [], "shards": [], "opt": [], "norms": []}
+    if load is not None:
+        state = {"model": model, "optimizer": opt, "precision": plugin}
+        fabric.load(load, state)
+        # Fabric's ModelParallelStrategy hands back what is not a module or optimizer as saved (a dict),
+        # without calling load_state_dict on it (its single-device strategies do): load it here
+        seen["loaded_type"] = type(state["precision"]).__name__
+        plugin.load_state_dict(state["precision"])
+        seen["start_state"] = plugin.scaler.state_dict()
+    x, y = _data()
+    x, y = x[rank::2], y[rank::2]  # each rank its own data
+    for i in range(steps):
+        xb, yb = x[8 * i : 8 * i + 8], y[8 * i : 8 * i + 8]
+        loss = (model(xb).float() - yb).pow(2).mean()
+        fabric.backward(loss)
+        if inject and rank == 1 and i == INF_STEP:
+            _inject_inf(model.parameters())
+        if clip is not None:
+            norm = fabric.clip_gradients(model, opt, max_norm=clip)
+            seen["norms"].append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+        opt.step()
+        opt.zero_grad()
+        seen["losses"].append(float(loss.detach()))
+        seen["scales"].append(plugin.scaler.get_scale())
+        seen["shards"].append(_shards(model.parameters()))
+        seen["opt"].append(_opt_state(opt.optimizer))
+    if save is not None:
+        fabric.save(save, {"model": model, "optimizer": opt, "precision": plugin})
+        seen["saved_state"] = plugin.scaler.state_dict()
+    return seen
+
+
+def suite_fabric(rank, tmp):
+    out = {}
+    for kind in ("fsdp2",):  # FSDPStrategy (FSDP1): Fabric refuses it without a GPU (test_fsdp_stacks.py)
+        ckpt = os.path.join(tmp, f"{kind}.ckpt")
+        out[kind] = {
+            "fit": _fabric_run(tmp, rank, kind, save=ckpt),
+            "resumed": _fabric_run(tmp, rank, kind, config=RESUMED, steps=1, inject=False, load=ckpt),
+            "clip-scaled": _fabric_run(tmp, rank, kind, clip=0.05, inject=False, steps=2),
+            "clip-unscaled": _fabric_run(
+                tmp, rank, kind, config={"kind": "none"}, clip=0.05, inject=False, steps=2
+            ),
+        }
+    return out
+
+
 def main(argv):
     suite, rank, out_dir = argv[1], int(argv[2]), argv[3]
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), NODE_RANK="0")
@@ -179,7 +246,9 @@ def main(argv):
     # the process group is made here (file-free, from MASTER_ADDR/PORT); Lightning and Fabric reuse it
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        result = {"suite_lightning": suite_lightning}[f"suite_{suite}"](rank, out_dir)
+        result = {"suite_lightning": suite_lightning, "suite_fabric": suite_fabric}[f"suite_{suite}"](
+            rank, out_dir
+        )
     except Exception:
         result = {"error": traceback.format_exc()}
     torch.save(result, os.path.join(out_dir, f"{suite}-{rank}.pt"))

@@ -183,3 +183,40 @@ def test_fsdp_plugins_scale_once_and_keep_inputs():
             module.trainer.strategy.connect(module)
             assert plugin.pre_backward(w * 1.0, module).item() == 8.0
     assert MPXFSDPPrecision("bfloat16").mixed_precision_config.param_dtype == torch.bfloat16
+
+
+@pytest.fixture(scope="module")
+def fabric_runs(tmp_path_factory):
+    return _run_suite("fabric", tmp_path_factory.mktemp("fabric"))
+
+
+def test_fabric_model_parallel_skips_together_and_learns(fabric_runs):
+    _assert_four_facts_of_a_run([r["fsdp2"] for r in fabric_runs])
+
+
+def test_fabric_model_parallel_clips_the_unscaled_gradients(fabric_runs):
+    for r in fabric_runs:
+        scaled, unscaled = r["fsdp2"]["clip-scaled"], r["fsdp2"]["clip-unscaled"]
+        assert min(scaled["norms"]) > 0.05  # fabric.clip_gradients' returned norm: the unscaled global norm
+        assert scaled["norms"] == unscaled["norms"]
+        assert _same(scaled["shards"], unscaled["shards"]) and _same(scaled["opt"], unscaled["opt"])
+
+
+def test_fabric_model_parallel_resume_restores_the_scale(fabric_runs):
+    for r in fabric_runs:
+        saved, resumed = r["fsdp2"]["fit"]["saved_state"], r["fsdp2"]["resumed"]
+        assert resumed["loaded_type"] == "dict"  # Fabric gives the plugin's state back, as saved
+        assert resumed["start_state"] == saved and saved["scale"] == 2048.0
+
+
+def test_fabric_refuses_fsdp1_without_a_gpu():
+    import lightning as L
+    from lightning.fabric.strategies import FSDPStrategy
+
+    from mpx_torch.lightning_fsdp import MPXFabricFSDPPrecision
+
+    plugin = MPXFabricFSDPPrecision("mixed_bfloat16")
+    strategy = FSDPStrategy(precision=plugin)
+    assert strategy.mixed_precision_config.param_dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="You selected the FSDP strategy but FSDP is only available on GPU"):
+        L.Fabric(accelerator="cpu", devices=2, strategy=strategy)
