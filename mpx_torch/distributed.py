@@ -173,6 +173,34 @@ def fsdp_mixed_precision(
     )
 
 
+def _refuse_float8_all_gather_without_gpu(module: nn.Module, mesh: Any) -> None:
+    """Raise for torchao Float8Linears with ``enable_fsdp_float8_all_gather`` sharded over a CPU mesh.
+
+    FP8 all-gather sends float8 tensors through the collective.  gloo (torch's
+    CPU backend) refuses them ("Invalid scalar type") whenever a unit's
+    all-gather holds only float8 data (e.g. bias-free Linears); a unit that also
+    holds float32 parameters is packed as bytes and passes, so whether it runs
+    depends on how the model is cut into units.  The refusal comes here, before
+    sharding, for every CPU mesh.
+    """
+    flagged = [
+        path
+        for path, sub in module.named_modules()
+        if getattr(getattr(sub, "config", None), "enable_fsdp_float8_all_gather", False) is True
+    ]
+    if not flagged:
+        return
+    device_type = mesh.device_type if mesh is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+    if device_type == "cpu":
+        raise MPXError(
+            f"module {flagged[0] or 'root'!r}: torchao's enable_fsdp_float8_all_gather=True all-gathers float8 "
+            "weights, which FSDP2 on a CPU mesh cannot do reliably: gloo refuses float8 tensors ('Invalid "
+            "scalar type') for every unit whose parameters are all float8-cast weights. Convert with "
+            "Float8LinearConfig(enable_fsdp_float8_all_gather=False) (weights all-gathered in the policy's "
+            "compute dtype, then cast to float8), or shard over a CUDA mesh (NCCL)."
+        )
+
+
 def fully_shard(
     module: nn.Module,
     policy: PolicySpec,
@@ -197,9 +225,16 @@ def fully_shard(
     ``fully_shard_kwargs`` (``mesh``, ``reshard_after_forward``...) go to every
     call; ``mp_policy`` is the policy's.  Returns ``module``.
 
+    FP8: mpx's :class:`mpx_torch.float8.Float8Linear` all-gathers its weights in
+    the unit's compute dtype and quantizes them in forward; its amaxes are
+    reduced with MAX over the world group by :func:`mpx_torch.float8.commit_float8`.
+    torchao's ``Float8LinearConfig(enable_fsdp_float8_all_gather=True)``
+    (float8 all-gather, GPU only) is refused on a CPU mesh.
+
     Raises:
         mpx.PolicyError: for a bad spec, or a module prepared under a different policy.
-        mpx.MPXError: for ``mp_policy`` in ``fully_shard_kwargs`` or bad ``units``.
+        mpx.MPXError: for ``mp_policy`` in ``fully_shard_kwargs``, bad ``units``, or torchao
+            Float8Linears with ``enable_fsdp_float8_all_gather=True`` on a CPU mesh.
     """
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -214,6 +249,7 @@ def fully_shard(
     unit_types = tuple(units)
     if not all(isinstance(t, type) and issubclass(t, nn.Module) for t in unit_types):
         raise MPXError(f"units: expected torch.nn.Module classes (e.g. units=(Block,)), got {units!r}.")
+    _refuse_float8_all_gather_without_gpu(module, fully_shard_kwargs.get("mesh"))
     root = get_policy(policy)
     prepared = prepared_policy(module)
     if prepared is None:

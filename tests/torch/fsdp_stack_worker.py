@@ -236,6 +236,104 @@ def suite_fabric(rank, tmp):
     return out
 
 
+# -- fp8: mpx's Float8Linear under FSDP2, amaxes reduced with MAX; torchao's float8 all-gather refused ------
+FP8_POLICY = "mixed_bfloat16,fp8=hybrid,fp8_history=4"
+
+
+def _fp8_run(rank, *, reduce):
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import mpx_torch
+    from mpx_torch import float8
+
+    groups = [dist.new_group([0]), dist.new_group([1])]  # every rank makes every group
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(32, 8))
+    mpx_torch.fully_shard(model, FP8_POLICY, mesh=init_device_mesh("cpu", (2,)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = mpx_torch.GradScaler(SCALER)
+    gen = torch.Generator().manual_seed(500 + rank)
+    seen = {"local_amax": [], "state": [], "commit_all_reduces": [], "scales": [], "types": []}
+    for i in range(4):
+        x = torch.randn(8, 16, generator=gen) * (1 + 3 * rank)  # each rank its own data, its own amaxes
+        opt.zero_grad()
+        scaler.scale(model(x).float().pow(2).mean()).backward()
+        if rank == 1 and i == INF_STEP:
+            _inject_inf(model.parameters())
+        scaler.step(opt)
+        scaler.update()
+        layers = [m for _, m in float8.float8_layers(model)]
+        seen["types"] = sorted({type(m).__name__ for m in layers})
+        seen["local_amax"].append([m.fp8_amax.clone() for m in layers])
+        counter, restore = _count_all_reduce()
+        try:
+            float8.commit_float8(model, scaler, process_group=None if reduce else groups[rank])
+        finally:
+            restore()
+        seen["commit_all_reduces"].append(counter[0])
+        seen["scales"].append(scaler.get_scale())
+        seen["state"].append(float8.float8_state_dict(model))
+    return seen
+
+
+def _count_all_reduce():
+    import torch.distributed as dist
+
+    counter = [0]
+    original = dist.all_reduce
+
+    def counting(*args, **kwargs):
+        counter[0] += 1
+        return original(*args, **kwargs)
+
+    dist.all_reduce = counting
+    return counter, lambda: setattr(dist, "all_reduce", original)
+
+
+def _torchao_all_gather(rank):
+    """torchao Float8Linears with enable_fsdp_float8_all_gather=True: mpx's fully_shard refuses them on a CPU
+    mesh; torch's fully_shard takes them, and the first forward fails in gloo (bias-free Linears: each
+    unit's all-gather is float8 only; with float32 biases in the unit FSDP2 packs bytes and gloo passes)."""
+    import torch
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    import mpx
+    import mpx_torch
+
+    def build():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32, bias=False), nn.Linear(32, 16, bias=False))
+        config = Float8LinearConfig(enable_fsdp_float8_all_gather=True, emulate=True)
+        return convert_to_float8_training(model, config=config)
+
+    mesh = init_device_mesh("cpu", (2,))
+    out = {}
+    try:
+        mpx_torch.fully_shard(build(), "mixed_bfloat16", mesh=mesh)
+    except mpx.MPXError as error:
+        out["mpx"] = str(error)
+    native = fully_shard(build(), mesh=mesh)
+    try:
+        native(torch.randn(4, 16))
+    except Exception as error:  # what gloo says
+        out["native"] = f"{type(error).__name__}: {error}"
+    return out
+
+
+def suite_fp8(rank, tmp):
+    return {
+        "reduced": _fp8_run(rank, reduce=True),
+        "per-rank": _fp8_run(rank, reduce=False),
+        "torchao": _torchao_all_gather(rank),
+    }
+
+
 def main(argv):
     suite, rank, out_dir = argv[1], int(argv[2]), argv[3]
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), NODE_RANK="0")
@@ -246,9 +344,9 @@ def main(argv):
     # the process group is made here (file-free, from MASTER_ADDR/PORT); Lightning and Fabric reuse it
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        result = {"suite_lightning": suite_lightning, "suite_fabric": suite_fabric}[f"suite_{suite}"](
-            rank, out_dir
-        )
+        result = {"suite_lightning": suite_lightning, "suite_fabric": suite_fabric, "suite_fp8": suite_fp8}[
+            f"suite_{suite}"
+        ](rank, out_dir)
     except Exception:
         result = {"error": traceback.format_exc()}
     torch.save(result, os.path.join(out_dir, f"{suite}-{rank}.pt"))

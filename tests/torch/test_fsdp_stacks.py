@@ -220,3 +220,41 @@ def test_fabric_refuses_fsdp1_without_a_gpu():
     assert strategy.mixed_precision_config.param_dtype == torch.bfloat16
     with pytest.raises(ValueError, match="You selected the FSDP strategy but FSDP is only available on GPU"):
         L.Fabric(accelerator="cpu", devices=2, strategy=strategy)
+
+
+# -- FP8 under FSDP2 ------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def fp8_runs(tmp_path_factory):
+    pytest.importorskip("torchao")
+    return _run_suite("fp8", tmp_path_factory.mktemp("fp8"))
+
+
+def test_fp8_amaxes_are_reduced_with_max_in_one_all_reduce(fp8_runs):
+    r0, r1 = fp8_runs[0]["reduced"], fp8_runs[1]["reduced"]
+    assert r0["types"] == ["Float8Linear"]
+    assert r0["commit_all_reduces"] == r1["commit_all_reduces"] == [1, 1, 1, 1]  # one per commit, all layers
+    assert r0["scales"] == r1["scales"] == [1024.0, 2048.0, 1024.0, 1024.0]
+    # the ranks saw different amaxes (different data), and committed the same state, step after step
+    assert not torch.equal(r0["local_amax"][0][0], r1["local_amax"][0][0])
+    assert r0["state"] == r1["state"]
+    # the committed history holds the MAX over the ranks of each applied step's amaxes; the skipped one is absent
+    applied = [i for i in range(4) if i != INF_STEP]
+    history = r0["state"][-1]["tensors"]["0.input"]["amax_history"]
+    expected = [max(float(r0["local_amax"][i][0][0]), float(r1["local_amax"][i][0][0])) for i in applied]
+    assert history == [*expected[::-1], 0.0]  # newest first (TE's rolled history), one slot still empty
+    assert r0["state"][INF_STEP] == r0["state"][INF_STEP - 1]
+
+
+def test_fp8_without_the_reduction_the_ranks_diverge(fp8_runs):
+    # a one-rank group each: nothing is combined, and the two ranks commit different scales
+    r0, r1 = fp8_runs[0]["per-rank"], fp8_runs[1]["per-rank"]
+    assert r0["commit_all_reduces"] == [0, 0, 0, 0]
+    assert r0["state"][-1] != r1["state"][-1]
+
+
+def test_torchao_float8_all_gather_is_refused_on_a_cpu_mesh(fp8_runs):
+    for r in fp8_runs:
+        seen = r["torchao"]
+        assert seen["mpx"].startswith("module '0': torchao's enable_fsdp_float8_all_gather=True")
+        assert "enable_fsdp_float8_all_gather=False" in seen["mpx"]
+        assert seen["native"] == "RuntimeError: Invalid scalar type"  # what gloo says at the first forward
