@@ -276,45 +276,57 @@ def fully_shard(
 
 
 def check_fsdp_units(module: nn.Module, policy: PolicySpec) -> list[str]:
-    """Check that every FSDP2 unit inside ``module`` all-gathers and reduces in the dtypes ``policy`` asks.
+    """Check that the FSDP2 units inside ``module`` all-gather and reduce as ``policy`` allows.
 
-    For the unit at ``path``, the policy is ``policy.for_module(path, category)``
-    (float32 for the float32-kept norms): its parameters are all-gathered in
-    its compute dtype and its gradients reduced in its ``reduce_dtype``, as
-    :func:`fully_shard` and :func:`fsdp_mixed_precision` set them.  A unit
-    sharded with torch's own ``fully_shard`` and another ``MixedPrecisionPolicy``
-    (its ``None`` fields read as FSDP2 reads them: the stored dtype, then the
-    param dtype) would round a LayerNorm's float32 weights or reduce in
-    another dtype than the policy's.  Returns the paths of the units checked
-    (``""`` for ``module`` itself).
+    For every submodule holding parameters, with its policy
+    ``policy.for_module(path, category)`` (float32 for the float32-kept norms),
+    the unit that holds its parameters (the nearest ``FSDPModule`` at or above
+    it) must all-gather them in that policy's compute dtype or in their stored
+    dtype (no rounding on the way: a LayerNorm's float32 weights must not reach
+    its float32 region as bfloat16), and every unit must reduce its gradients
+    in its own policy's ``reduce_dtype``.  ``MixedPrecisionPolicy`` fields left
+    ``None`` read as FSDP2 reads them (the stored dtype, then the param dtype).
+    :func:`fully_shard` (norms in units of their own) always passes.  Returns
+    the paths of the units checked (``""`` for ``module`` itself).
 
     Raises:
-        mpx.MPXError: naming the first unit whose dtypes differ, what it has and what the policy asks.
+        mpx.MPXError: naming the first module or unit at fault, what it gets and what the policy asks.
     """
     from torch.distributed.fsdp import FSDPModule
 
     root = get_policy(policy)
-    checked = []
+    fix = (
+        "Shard with mpx_torch.fully_shard(module, policy, mesh=...) (in Lightning's configure_model: "
+        "mesh=self.device_mesh['data_parallel']), or give torch's fully_shard "
+        "mp_policy=mpx_torch.fsdp_mixed_precision(policy.for_module(path))."
+    )
+    units: dict[str, tuple[torch.dtype | None, torch.dtype | None]] = {}
     for path, sub in module.named_modules():
-        if not isinstance(sub, FSDPModule):
-            continue
+        if isinstance(sub, FSDPModule):
+            mp = fsdp2_mp_policy(sub)
+            units[path] = (mp.param_dtype, mp.reduce_dtype)
+    for path, sub in module.named_modules():
         own = root.for_module(path, module_category(sub))
-        first = next(sub.parameters(), None)
-        if first is None:
+        if path in units:
+            first = next(sub.parameters(), None)
+            gathered = units[path][0] or (first.dtype if first is not None else None)
+            reduced = units[path][1] or gathered
+            if gathered is not None and reduced != to_torch_dtype(own.reduce_dtype):
+                raise MPXError(
+                    f"module {path or 'root'!r}: this FSDP2 unit reduces its gradients in "
+                    f"{str(reduced).removeprefix('torch.')}, but the policy {own} asks for {own.reduce_dtype}. {fix}"
+                )
+        enclosing = [u for u in units if not u or path == u or path.startswith(u + ".")]
+        if not enclosing:
             continue
-        mp = fsdp2_mp_policy(sub)
-        gathered = mp.param_dtype or first.dtype
-        has = (gathered, mp.reduce_dtype or gathered)
-        wants = (to_torch_dtype(own.compute_dtype), to_torch_dtype(own.reduce_dtype))
-        if has != wants:
-            name = path or "the root module"
-            raise MPXError(
-                f"module {name!r}: this FSDP2 unit all-gathers its parameters in "
-                f"{str(has[0]).removeprefix('torch.')} and reduces its gradients in "
-                f"{str(has[1]).removeprefix('torch.')}, but the policy {own} asks for "
-                f"{own.compute_dtype} and {own.reduce_dtype}. Shard with mpx_torch.fully_shard(module, policy, "
-                "mesh=...) (in Lightning's configure_model: mesh=self.device_mesh['data_parallel']), or give "
-                "torch's fully_shard mp_policy=mpx_torch.fsdp_mixed_precision(policy.for_module(path))."
-            )
-        checked.append(path)
-    return checked
+        unit = max(enclosing, key=len)
+        for name, param in sub.named_parameters(recurse=False):
+            gathered = units[unit][0] or param.dtype
+            if gathered not in (param.dtype, to_torch_dtype(own.compute_dtype)):
+                where = f"{path}.{name}" if path else name
+                raise MPXError(
+                    f"module {where!r}: the FSDP2 unit {unit or 'root'!r} all-gathers this "
+                    f"{str(param.dtype).removeprefix('torch.')} parameter in {str(gathered).removeprefix('torch.')}, "
+                    f"but here the policy {own} computes in {own.compute_dtype}: it would arrive rounded. {fix}"
+                )
+    return list(units)

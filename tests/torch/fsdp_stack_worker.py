@@ -140,22 +140,31 @@ def _lightning_fit(tmp, *, config=SCALER, clip=None, inject=True, steps=STEPS, c
     return seen
 
 
-def _mismatched_units(rank):
-    """torch's fully_shard with MixedPrecisionPolicy(param_dtype=bfloat16): reduces in bfloat16, not float32."""
+def _checked_units(rank):
+    """check_fsdp_units on models sharded with torch's fully_shard (three MixedPrecisionPolicy) and mpx's."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     import mpx
+    import mpx_torch
     from mpx_torch.distributed import check_fsdp_units
 
-    model = _model()
-    fully_shard(model, mesh=init_device_mesh("cpu", (2,)), mp_policy=MixedPrecisionPolicy(torch.bfloat16))
-    try:
-        check_fsdp_units(model, POLICY)
-    except mpx.MPXError as error:
-        return str(error)
-    return None
+    mesh = init_device_mesh("cpu", (2,))
+    policies = {
+        "bf16-everywhere": MixedPrecisionPolicy(torch.bfloat16),  # reduces in bfloat16 too
+        "bf16-gather": MixedPrecisionPolicy(torch.bfloat16, reduce_dtype=torch.float32),  # LayerNorm rounded
+        "torch-default": MixedPrecisionPolicy(),  # float32 all-gather and reduce: exact, only wider
+    }
+    out = {}
+    for name, mp in policies.items():
+        model = fully_shard(_model(), mesh=mesh, mp_policy=mp)
+        try:
+            out[name] = check_fsdp_units(model, POLICY)
+        except mpx.MPXError as error:
+            out[name] = str(error)
+    out["mpx"] = check_fsdp_units(mpx_torch.fully_shard(_model(), POLICY, mesh=mesh), POLICY)
+    return out
 
 
 def suite_lightning(rank, tmp):
@@ -165,7 +174,7 @@ def suite_lightning(rank, tmp):
         "resumed": _lightning_fit(tmp, config=RESUMED, steps=STEPS + 2, ckpt_in=ckpt),
         "clip-scaled": _lightning_fit(tmp, clip=0.05, inject=False, steps=2),
         "clip-unscaled": _lightning_fit(tmp, config={"kind": "none"}, clip=0.05, inject=False, steps=2),
-        "mismatch": _mismatched_units(rank),
+        "units": _checked_units(rank),
     }
 
 
@@ -326,11 +335,38 @@ def _torchao_all_gather(rank):
     return out
 
 
+def _accelerate_on_cpu(rank, tmp):
+    """Accelerate's FSDP plugin (FSDP2) and the HF Trainer's fsdp= on CPU processes: what they become."""
+    from accelerate import Accelerator
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from transformers import TrainingArguments
+
+    from mpx_torch.accelerate import attach
+    from mpx_torch.transformers import MPXTrainer
+
+    accelerator = Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
+    attach(accelerator, POLICY)
+    model = accelerator.prepare(_model())
+    args = TrainingArguments(
+        os.path.join(tmp, "hf"), use_cpu=True, fsdp=True, fsdp_config={"version": 2}, report_to="none"
+    )
+    trainer = MPXTrainer(model=_model(), args=args, policy=POLICY)
+    return {
+        "accelerate": [accelerator.distributed_type.value, type(model).__name__],
+        "trainer": [
+            trainer.is_fsdp_enabled,
+            trainer.accelerator.distributed_type.value,
+            args.fsdp_plugin_args,
+        ],
+    }
+
+
 def suite_fp8(rank, tmp):
     return {
         "reduced": _fp8_run(rank, reduce=True),
         "per-rank": _fp8_run(rank, reduce=False),
         "torchao": _torchao_all_gather(rank),
+        "accelerate": _accelerate_on_cpu(rank, tmp),  # here: the process is up, the group made
     }
 
 

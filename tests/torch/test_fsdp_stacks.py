@@ -133,13 +133,20 @@ def test_lightning_model_parallel_resume_restores_the_scale(lightning_runs):
         assert r["resumed"]["scales"] == [4096.0, 4096.0]
 
 
-def test_units_sharded_with_another_mixed_precision_are_refused(lightning_runs):
-    message = lightning_runs[0]["mismatch"]
-    assert message.startswith(
-        "module 'the root module': this FSDP2 unit all-gathers its parameters in bfloat16"
+def test_units_that_round_or_reduce_otherwise_are_refused(lightning_runs):
+    units = lightning_runs[0]["units"]
+    fix = "Shard with mpx_torch.fully_shard(module, policy, mesh=...)"
+    assert units["bf16-everywhere"].startswith(
+        "module 'root': this FSDP2 unit reduces its gradients in bfloat16, but the policy "
+        "params=float32,compute=bfloat16,output=float32 asks for float32."
     )
-    assert "reduces its gradients in bfloat16" in message and "asks for bfloat16 and float32" in message
-    assert "mpx_torch.fully_shard" in message
+    assert units["bf16-gather"].startswith(
+        "module '1.weight': the FSDP2 unit 'root' all-gathers this float32 parameter in bfloat16, but here the "
+        "policy params=float32,compute=float32,output=float32 computes in float32: it would arrive rounded."
+    )
+    assert fix in units["bf16-everywhere"] and fix in units["bf16-gather"]
+    assert units["torch-default"] == [""]  # float32 all-gather: exact (only wider than needed)
+    assert units["mpx"] == ["", "1"]  # the LayerNorm in a float32 unit of its own
 
 
 # -- FSDPStrategy (FSDP1): the plugin's shape and mapping, and Lightning's refusal on a CPU ----------------
@@ -258,3 +265,13 @@ def test_torchao_float8_all_gather_is_refused_on_a_cpu_mesh(fp8_runs):
         assert seen["mpx"].startswith("module '0': torchao's enable_fsdp_float8_all_gather=True")
         assert "enable_fsdp_float8_all_gather=False" in seen["mpx"]
         assert seen["native"] == "RuntimeError: Invalid scalar type"  # what gloo says at the first forward
+
+
+def test_accelerate_and_the_trainer_run_ddp_not_fsdp_on_cpu(fp8_runs):
+    # Accelerate 1.16 decides MULTI_CPU for CPU processes and drops the FSDP plugin (FSDP is chosen only
+    # for GPU-like device types), so accelerator.prepare wraps the model in DDP; the HF Trainer builds
+    # the same plugin from fsdp=/fsdp_config and gets the same. mpx under DDP: tests/torch/test_accelerate.py.
+    for r in fp8_runs:
+        assert r["accelerate"]["accelerate"] == ["MULTI_CPU", "DistributedDataParallel"]
+        enabled, kind, plugin_args = r["accelerate"]["trainer"]
+        assert (enabled, kind, plugin_args["fsdp_version"]) == (False, "MULTI_CPU", 2)
