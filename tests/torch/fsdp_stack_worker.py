@@ -361,12 +361,54 @@ def _accelerate_on_cpu(rank, tmp):
     }
 
 
+def _fsdp1_run(rank, *, config=SCALER, inject=True, clip=None, steps=4):
+    """torch's FSDP1 driven through MPXFabricFSDPPrecision as Fabric's FSDPStrategy would (which Lightning
+    refuses on a CPU): the module converted, wrapped with the plugin's mixed_precision_config, steps
+    through the plugin's backward, unscale, the root's clip_grad_norm_ and optimizer_step."""
+    import torch
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    from mpx_torch.lightning_fsdp import MPXFabricFSDPPrecision
+
+    plugin = MPXFabricFSDPPrecision(POLICY, config)
+    # device_id=cpu: without it FSDP1 refuses a CPU ("FSDP needs a non-CPU accelerator device"), and
+    # Lightning passes None on a CPU
+    mixed = plugin.mixed_precision_config
+    model = FullyShardedDataParallel(
+        plugin.convert_module(_model()), mixed_precision=mixed, device_id=torch.device("cpu")
+    )
+    opt = torch.optim.Adam(model.parameters(), lr=0.02)
+    x, y = _data()
+    x, y = x[rank::2], y[rank::2]
+    seen = {"losses": [], "scales": [], "shards": [], "opt": [], "norms": []}
+    for i in range(steps):
+        with plugin.forward_context():
+            loss = (model(x[8 * i : 8 * i + 8]).float() - y[8 * i : 8 * i + 8]).pow(2).mean()
+        plugin.backward(loss, model)
+        if inject and rank == 1 and i == INF_STEP:
+            _inject_inf(model.parameters())
+        if clip is not None:
+            plugin.unscale_gradients(opt)
+            seen["norms"].append(float(model.clip_grad_norm_(clip)))
+        plugin.optimizer_step(opt)
+        opt.zero_grad()
+        seen["losses"].append(float(loss.detach()))
+        seen["scales"].append(plugin.scaler.get_scale())
+        seen["shards"].append(_shards(model.parameters()))
+        seen["opt"].append(_opt_state(opt))
+    seen["param_dtype"] = str(plugin.mixed_precision_config.param_dtype)
+    return seen
+
+
 def suite_fp8(rank, tmp):
     return {
         "reduced": _fp8_run(rank, reduce=True),
         "per-rank": _fp8_run(rank, reduce=False),
         "torchao": _torchao_all_gather(rank),
         "accelerate": _accelerate_on_cpu(rank, tmp),  # here: the process is up, the group made
+        "fsdp1": _fsdp1_run(rank, steps=STEPS),
+        "fsdp1-clip-scaled": _fsdp1_run(rank, inject=False, clip=0.05, steps=2),
+        "fsdp1-clip-unscaled": _fsdp1_run(rank, config={"kind": "none"}, inject=False, clip=0.05, steps=2),
     }
 
 

@@ -101,8 +101,8 @@ def _assert_four_facts_of_a_run(runs, key="fit"):
         assert not _same(seen["shards"][INF_STEP + 1], seen["shards"][INF_STEP])
         losses = seen["losses"]
         assert sum(losses[-2:]) / 2 < losses[0]  # the mean of the last two below the first
-    # the shards are different pieces of one model: rank 1 holds less of the last Linear than rank 0
-    assert [s.shape for s in runs[0][key]["shards"][0]] != [s.shape for s in runs[1][key]["shards"][0]]
+    # the shards are different pieces of one model
+    assert not _same(runs[0][key]["shards"][0], runs[1][key]["shards"][0])
 
 
 def test_lightning_model_parallel_skips_together_and_learns(lightning_runs):
@@ -275,3 +275,15 @@ def test_accelerate_and_the_trainer_run_ddp_not_fsdp_on_cpu(fp8_runs):
         assert r["accelerate"]["accelerate"] == ["MULTI_CPU", "DistributedDataParallel"]
         enabled, kind, plugin_args = r["accelerate"]["trainer"]
         assert (enabled, kind, plugin_args["fsdp_version"]) == (False, "MULTI_CPU", 2)
+
+
+def test_fsdp1_driven_through_the_fabric_plugin_skips_together_and_clips_unscaled(fp8_runs):
+    # torch's FSDP1 (device_id=cpu, which Lightning does not pass) with the plugin's mixed_precision_config
+    _assert_four_facts_of_a_run(fp8_runs, key="fsdp1")
+    for r in fp8_runs:
+        assert r["fsdp1"]["param_dtype"] == "torch.bfloat16"
+        scaled, unscaled = r["fsdp1-clip-scaled"], r["fsdp1-clip-unscaled"]
+        assert (
+            min(scaled["norms"]) > 0.05 and scaled["norms"] == unscaled["norms"]
+        )  # the root's clip_grad_norm_
+        assert _same(scaled["shards"], unscaled["shards"]) and _same(scaled["opt"], unscaled["opt"])
