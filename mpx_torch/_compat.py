@@ -38,6 +38,7 @@ __all__ = [
     "dynamo_skip_code",
     "eval_frame_callback_getter",
     "foreach_non_finite_check_and_unscale_",
+    "fsdp2_mp_policy",
     "global_device_context",
     "internal",
     "loss_base",
@@ -199,3 +200,12 @@ def category_classes() -> dict[str, tuple[type, ...]]:
                     )
                 internal(owner, name, f"torch.nn.{path}", "the category table (prepare's overrides)")
     return resolve_categories("torch", nn)
+
+
+# -- FSDP2's per-unit MixedPrecisionPolicy ------------------------------------------------------------------
+def fsdp2_mp_policy(unit: nn.Module) -> Any:
+    """The ``MixedPrecisionPolicy`` FSDP2's ``fully_shard`` gave ``unit`` (an ``FSDPModule``):
+    ``unit._get_fsdp_state()._mp_policy`` (torch has no public accessor)."""
+    used_for = "checking the FSDP2 units' mixed precision against the policy"
+    get_state = internal(unit, "_get_fsdp_state", "FSDPModule._get_fsdp_state", used_for)
+    return internal(get_state(), "_mp_policy", "torch.distributed.fsdp FSDPState._mp_policy", used_for)

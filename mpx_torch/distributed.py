@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mpx import MPXError, Policy, PolicyError, PolicySpec, get_policy
+from mpx_torch._compat import fsdp2_mp_policy
 from mpx_torch._process_group import agree_found_inf, check_process_group, group_to_agree
 from mpx_torch.autocast import to_torch_dtype
 from mpx_torch.prepare import module_category, prepare, prepared_policy
@@ -35,6 +36,7 @@ from mpx_torch.prepare import module_category, prepare, prepared_policy
 __all__ = [
     "agree_found_inf",
     "bf16_reduce_hook",
+    "check_fsdp_units",
     "check_process_group",
     "fsdp_mixed_precision",
     "fully_shard",
@@ -171,6 +173,34 @@ def fsdp_mixed_precision(
     )
 
 
+def _refuse_float8_all_gather_without_gpu(module: nn.Module, mesh: Any) -> None:
+    """Raise for torchao Float8Linears with ``enable_fsdp_float8_all_gather`` sharded over a CPU mesh.
+
+    FP8 all-gather sends float8 tensors through the collective.  gloo (torch's
+    CPU backend) refuses them ("Invalid scalar type") whenever a unit's
+    all-gather holds only float8 data (e.g. bias-free Linears); a unit that also
+    holds float32 parameters is packed as bytes and passes, so whether it runs
+    depends on how the model is cut into units.  The refusal comes here, before
+    sharding, for every CPU mesh.
+    """
+    flagged = [
+        path
+        for path, sub in module.named_modules()
+        if getattr(getattr(sub, "config", None), "enable_fsdp_float8_all_gather", False) is True
+    ]
+    if not flagged:
+        return
+    device_type = mesh.device_type if mesh is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+    if device_type == "cpu":
+        raise MPXError(
+            f"module {flagged[0] or 'root'!r}: torchao's enable_fsdp_float8_all_gather=True all-gathers float8 "
+            "weights, which FSDP2 on a CPU mesh cannot do reliably: gloo refuses float8 tensors ('Invalid "
+            "scalar type') for every unit whose parameters are all float8-cast weights. Convert with "
+            "Float8LinearConfig(enable_fsdp_float8_all_gather=False) (weights all-gathered in the policy's "
+            "compute dtype, then cast to float8), or shard over a CUDA mesh (NCCL)."
+        )
+
+
 def fully_shard(
     module: nn.Module,
     policy: PolicySpec,
@@ -195,9 +225,16 @@ def fully_shard(
     ``fully_shard_kwargs`` (``mesh``, ``reshard_after_forward``...) go to every
     call; ``mp_policy`` is the policy's.  Returns ``module``.
 
+    FP8: mpx's :class:`mpx_torch.float8.Float8Linear` all-gathers its weights in
+    the unit's compute dtype and quantizes them in forward; its amaxes are
+    reduced with MAX over the world group by :func:`mpx_torch.float8.commit_float8`.
+    torchao's ``Float8LinearConfig(enable_fsdp_float8_all_gather=True)``
+    (float8 all-gather, GPU only) is refused on a CPU mesh.
+
     Raises:
         mpx.PolicyError: for a bad spec, or a module prepared under a different policy.
-        mpx.MPXError: for ``mp_policy`` in ``fully_shard_kwargs`` or bad ``units``.
+        mpx.MPXError: for ``mp_policy`` in ``fully_shard_kwargs``, bad ``units``, or torchao
+            Float8Linears with ``enable_fsdp_float8_all_gather=True`` on a CPU mesh.
     """
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -212,6 +249,7 @@ def fully_shard(
     unit_types = tuple(units)
     if not all(isinstance(t, type) and issubclass(t, nn.Module) for t in unit_types):
         raise MPXError(f"units: expected torch.nn.Module classes (e.g. units=(Block,)), got {units!r}.")
+    _refuse_float8_all_gather_without_gpu(module, fully_shard_kwargs.get("mesh"))
     root = get_policy(policy)
     prepared = prepared_policy(module)
     if prepared is None:
@@ -235,3 +273,60 @@ def fully_shard(
         if not isinstance(sub, FSDPModule):
             torch_fully_shard(sub, mp_policy=fsdp_mixed_precision(own, root=False), **fully_shard_kwargs)
     return torch_fully_shard(module, mp_policy=fsdp_mixed_precision(root, root=True), **fully_shard_kwargs)
+
+
+def check_fsdp_units(module: nn.Module, policy: PolicySpec) -> list[str]:
+    """Check that the FSDP2 units inside ``module`` all-gather and reduce as ``policy`` allows.
+
+    For every submodule holding parameters, with its policy
+    ``policy.for_module(path, category)`` (float32 for the float32-kept norms),
+    the unit that holds its parameters (the nearest ``FSDPModule`` at or above
+    it) must all-gather them in that policy's compute dtype or in their stored
+    dtype (no rounding on the way: a LayerNorm's float32 weights must not reach
+    its float32 region as bfloat16), and every unit must reduce its gradients
+    in its own policy's ``reduce_dtype``.  ``MixedPrecisionPolicy`` fields left
+    ``None`` read as FSDP2 reads them (the stored dtype, then the param dtype).
+    :func:`fully_shard` (norms in units of their own) always passes.  Returns
+    the paths of the units checked (``""`` for ``module`` itself).
+
+    Raises:
+        mpx.MPXError: naming the first module or unit at fault, what it gets and what the policy asks.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    root = get_policy(policy)
+    fix = (
+        "Shard with mpx_torch.fully_shard(module, policy, mesh=...) (in Lightning's configure_model: "
+        "mesh=self.device_mesh['data_parallel']), or give torch's fully_shard "
+        "mp_policy=mpx_torch.fsdp_mixed_precision(policy.for_module(path))."
+    )
+    units: dict[str, tuple[torch.dtype | None, torch.dtype | None]] = {}
+    for path, sub in module.named_modules():
+        if isinstance(sub, FSDPModule):
+            mp = fsdp2_mp_policy(sub)
+            units[path] = (mp.param_dtype, mp.reduce_dtype)
+    for path, sub in module.named_modules():
+        own = root.for_module(path, module_category(sub))
+        if path in units:
+            first = next(sub.parameters(), None)
+            gathered = units[path][0] or (first.dtype if first is not None else None)
+            reduced = units[path][1] or gathered
+            if gathered is not None and reduced != to_torch_dtype(own.reduce_dtype):
+                raise MPXError(
+                    f"module {path or 'root'!r}: this FSDP2 unit reduces its gradients in "
+                    f"{str(reduced).removeprefix('torch.')}, but the policy {own} asks for {own.reduce_dtype}. {fix}"
+                )
+        enclosing = [u for u in units if not u or path == u or path.startswith(u + ".")]
+        if not enclosing:
+            continue
+        unit = max(enclosing, key=len)
+        for name, param in sub.named_parameters(recurse=False):
+            gathered = units[unit][0] or param.dtype
+            if gathered not in (param.dtype, to_torch_dtype(own.compute_dtype)):
+                where = f"{path}.{name}" if path else name
+                raise MPXError(
+                    f"module {where!r}: the FSDP2 unit {unit or 'root'!r} all-gathers this "
+                    f"{str(param.dtype).removeprefix('torch.')} parameter in {str(gathered).removeprefix('torch.')}, "
+                    f"but here the policy {own} computes in {own.compute_dtype}: it would arrive rounded. {fix}"
+                )
+    return list(units)
