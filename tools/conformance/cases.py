@@ -353,8 +353,9 @@ def distributed_cases() -> list[Case]:
         "a Dense layer with delayed-scaling FP8 (history 4) trained 4 steps with its batch sharded over the "
         "devices, each step's largest |x| on one device's rows only (JAX jit with NamedSharding over 4 host "
         "devices, Keras on JAX keras.distribution.ModelParallel): every device holds the same FP8 scales "
-        "and histories (replicated), the input amax recorded is the MAX over the whole batch, and under mpx "
-        "the scales and histories are mpx.float8.float8_update's chain over the global amaxes, bit for bit",
+        "and histories (replicated) and the input amax recorded is the MAX over the whole batch; under mpx on "
+        "jax the scales and histories are also mpx.float8.float8_update's chain over the global amaxes, bit "
+        "for bit",
     ))  # fmt: skip
     return out
 
