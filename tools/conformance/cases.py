@@ -353,9 +353,9 @@ def distributed_cases() -> list[Case]:
         "a Dense layer with delayed-scaling FP8 (history 4) trained 4 steps with its batch sharded over the "
         "devices, each step's largest |x| on one device's rows only (JAX jit with NamedSharding over 4 host "
         "devices, Keras on JAX keras.distribution.ModelParallel): every device holds the same FP8 scales "
-        "and histories (replicated) and the input amax recorded is the MAX over the whole batch; under mpx on "
-        "jax the scales and histories are also mpx.float8.float8_update's chain over the global amaxes, bit "
-        "for bit",
+        "and histories (replicated) and the input amax recorded is the MAX over the whole batch; under mpx the "
+        "scales and histories are also mpx.float8.float8_update's chain over the global amaxes, bit for bit "
+        "(keras-jax: the gradient's amax as recorded, the input's and weight's from the whole arrays)",
     ))  # fmt: skip
     return out
 

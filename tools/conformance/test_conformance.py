@@ -568,6 +568,7 @@ def test_keras_on_jax_runs_the_replica_cases_on_keras_distribution(keras_data):
             assert r["observed"]["kernel_layout"] == layout
             if case["params"]["scenario"] == "fp8_amax":
                 assert r["observed"]["global_amax"] is True and "FP8" in r["observed"]["engine"]
+                assert r["observed"]["core_chain"] is (True if mode == "mpx" else None)
                 continue
             assert all(len(set(s)) == 1 for s in zip(*r["observed"]["scales_per_replica"], strict=True))
 

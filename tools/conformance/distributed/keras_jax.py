@@ -137,7 +137,9 @@ def _fp8(p: dict, mode: str) -> dict:
     """ModelParallel (kernels sharded over ``model``), a Dense layer in FP8 with delayed scaling (natively
     ``layer.quantize("float8")``, under mpx ``mpx_keras.apply_policy`` with an ``fp8=`` policy) trained one
     batch at a time; each step's largest |x| in one batch shard's rows.  Per step: every holder of each
-    part of the FP8 variables holds the same bytes, and the input amax recorded is the whole batch's."""
+    part of the FP8 variables holds the same bytes, the input amax recorded is the whole batch's, and under
+    mpx the state is ``mpx.float8.float8_update``'s chain (input and weight amaxes from the whole arrays,
+    the gradient's as recorded: it is computed inside the step)."""
     import keras
 
     from conformance.distributed.jax import _fp8_batches
@@ -168,17 +170,33 @@ def _fp8(p: dict, mode: str) -> dict:
             def recorded() -> float:
                 hist = kf8.float8_state_dict(model)["tensors"]["fc1.input"]["amax_history"]
                 return float(np.asarray(hist, np.float32).reshape(-1)[0])
+
+            import mpx.float8 as core
+
+            recipe = core.load_state_dict(kf8.float8_state_dict(model))[0]
+            ref = core.float8_init(recipe, {f"fc1.{r}": r for r in ("input", "weight", "grad")})
         model.compile(optimizer=opt, loss="mse")
     if not fp8_vars:
         raise RuntimeError("the model has no FP8 variables")
     c = np.random.default_rng(3).standard_normal((2 * N, 8)).astype(np.float32)
-    same, global_amax = True, True
+    same, global_amax, core_chain = True, True, True
     for x in _fp8_batches(p):
+        w_before = np.asarray(model.layers[0].kernel.value)
         model.train_on_batch(x, c)
         same = same and _agree(fp8_vars)
         global_amax = global_amax and np.float32(recorded()) == np.float32(np.abs(x).max())
+        if mode == "mpx":  # the core's chain over the global input and weight amaxes and the recorded gradient's
+            got = kf8.float8_state_dict(model)["tensors"]
+            grad = np.float32(np.asarray(got["fc1.grad"]["amax_history"], np.float32).reshape(-1)[0])
+            ref = core.float8_update(recipe, ref, {"fc1.input": np.float32(np.abs(x).max()),
+                                                   "fc1.weight": np.float32(np.abs(w_before).max()), "fc1.grad": grad})  # fmt: skip
+            want = core.state_dict(recipe, ref)["tensors"]
+            core_chain = core_chain and all(
+                np.asarray(got[k][f], np.float32).tobytes() == np.asarray(want[k][f], np.float32).tobytes()
+                for k in want for f in ("scale", "amax_history"))  # fmt: skip
     layout = str(model.layers[0].kernel.value.sharding.spec) if hasattr(model.layers[0], "kernel") else None
-    return {"consistent": bool(same), "global_amax": bool(global_amax), "kernel_layout": layout,
+    return {"consistent": bool(same and core_chain), "global_amax": bool(global_amax), "kernel_layout": layout,
+            "core_chain": bool(core_chain) if mode == "mpx" else None,
             "engine": ENGINE_NAMES["sharded"] + f", FP8 delayed scaling (history {length})"}  # fmt: skip
 
 
