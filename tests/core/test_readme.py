@@ -86,7 +86,7 @@ def test_distribution_name_and_extras():
     tomllib = pytest.importorskip("tomllib")
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert project["name"] == "mpx-precision"
-    assert project["optional-dependencies"]["all"] == ["mpx-precision[torch,tf,jax,fp8,tools]"]  # tools: tools/, mpx-tools
+    assert project["optional-dependencies"]["all"] == ["mpx-precision[torch,tf,jax,fp8,tools,integrations]"]  # tools: mpx-tools
     assert project["license"] == {"text": "Apache-2.0"}
     text = README.read_text()
     install_lines = [line for line in text.splitlines() if "pip install" in line]

@@ -1,5 +1,8 @@
 """mpx_keras with keras.distribution on JAX (4 host devices, in a subprocess): DataParallel fit trains, and a
-non-finite gradient on one shard only makes every replica skip alike, every replica's state bit-identical."""
+non-finite gradient on one shard only makes every replica skip alike, every replica's state bit-identical;
+ModelParallel with both Dense kernels sharded over the model axis reduces the FP8 amaxes across the batch
+shards and skips a step with an inf in one batch shard, only the scaler's state moving; accumulation and
+save/load keep their single-device semantics."""
 
 from __future__ import annotations
 
@@ -15,6 +18,14 @@ pytestmark = pytest.mark.skipif(
     keras.config.backend() != "jax",
     reason="keras.distribution is JAX-only in Keras 3 (no TF or torch engine)",
 )
+
+
+def _run(script: str) -> None:
+    """Run ``script`` in a Python of its own, Keras on JAX over 4 host devices; it prints OK when every
+    assert held."""
+    env = dict(os.environ, KERAS_BACKEND="jax", XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-4000:]
 
 SCRIPT = textwrap.dedent(
     """
@@ -56,9 +67,7 @@ SCRIPT = textwrap.dedent(
 
 
 def test_data_parallel_skips_alike_on_every_replica():
-    env = dict(os.environ, KERAS_BACKEND="jax", XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-4000:]
+    _run(SCRIPT)
 
 
 MODEL_PARALLEL = textwrap.dedent(
@@ -71,13 +80,14 @@ MODEL_PARALLEL = textwrap.dedent(
 
     mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"], devices=jax.devices())
     layout_map = keras.distribution.LayoutMap(mesh)
-    layout_map["fc.*kernel"] = (None, "model")
+    layout_map[".*fc.*kernel"] = (None, "model")  # LayoutMap keys are full matches of the variable's path
     keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch"))
     spec = "mixed_bfloat16,fp8=hybrid,fp8_history=4"
     with mpx_keras.policy_scope(spec):
         m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, name="fc1"), keras.layers.Dense(4, name="fc2")])
     m = mpx_keras.apply_policy(m, spec)
-    assert len(m.layers[0].kernel.value.sharding.device_set) == 4
+    for layer in m.layers:
+        assert layer.kernel.value.sharding.spec == jax.sharding.PartitionSpec(None, "model"), layer.name
     opt = mpx_keras.LossScaleOptimizer(keras.optimizers.Adam(1e-2), config={"kind": "dynamic", "init_scale": 256.0})
     m.compile(optimizer=opt, loss="mse")
     rng = np.random.default_rng(0)
@@ -96,17 +106,24 @@ MODEL_PARALLEL = textwrap.dedent(
     hist = kf8.float8_state_dict(m)["tensors"]["fc1.input"]
     a_in = float(np.abs(x[8:].astype(jax.numpy.bfloat16).astype(np.float32)).max())
     assert float(np.asarray(hist["amax_history"]).reshape(-1)[0]) == np.float32(a_in), hist
+    # a skipped step: an inf in one batch shard's rows; weights, optimizer and FP8 state stay bit-identical
+    every = list(m.variables) + list(opt.variables)
+    state = [np.asarray(v.value).tobytes() for v in every]
+    bad = x[:8].copy()
+    bad[5] = np.inf  # the second batch shard's rows only
+    m.fit(bad, y[:8], batch_size=8, shuffle=False, verbose=0)
+    assert opt.state.steps == 3 and opt.state.skipped_steps == 1, opt.state
+    moved = [v.path for v, b in zip(every, state) if np.asarray(v.value).tobytes() != b]
+    assert moved and all(p.startswith("loss_scale_optimizer/") for p in moved), moved  # the scaler's state only
+    for layer in m.layers:
+        assert layer.kernel.value.sharding.spec == jax.sharding.PartitionSpec(None, "model"), layer.name
     print("OK")
     """
 )
 
 
-def test_model_parallel_fp8_amaxes_are_reduced_across_the_batch_shards():
-    env = dict(os.environ, KERAS_BACKEND="jax", XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    r = subprocess.run(
-        [sys.executable, "-c", MODEL_PARALLEL], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-4000:]
+def test_model_parallel_fp8_amaxes_are_reduced_across_the_batch_shards_and_a_skip_moves_only_the_scaler():
+    _run(MODEL_PARALLEL)
 
 
 ACCUMULATION = textwrap.dedent(
@@ -147,11 +164,7 @@ ACCUMULATION = textwrap.dedent(
 
 
 def test_gradient_accumulation_keeps_the_single_device_semantics():
-    env = dict(os.environ, KERAS_BACKEND="jax", XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    r = subprocess.run(
-        [sys.executable, "-c", ACCUMULATION], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-4000:]
+    _run(ACCUMULATION)
 
 
 SAVE_LOAD = textwrap.dedent(
@@ -191,8 +204,4 @@ SAVE_LOAD = textwrap.dedent(
 
 
 def test_save_and_load_resume_under_data_parallel():
-    env = dict(os.environ, KERAS_BACKEND="jax", XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    r = subprocess.run(
-        [sys.executable, "-c", SAVE_LOAD], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-4000:]
+    _run(SAVE_LOAD)

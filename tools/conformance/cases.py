@@ -321,9 +321,10 @@ DISTRIBUTED_SCENARIOS: list[tuple[str, str, str]] = [
 #: engine kind -> what each backend runs for it (a backend without one skips and says why)
 DISTRIBUTED_ENGINES = {
     "per_replica": "each replica runs its own step and reduces gradients (torch DDP on 2 gloo processes, "
-    "tf MirroredStrategy on 2 logical CPUs, JAX shard_map over 4 host devices with a pmean)",
+    "tf MirroredStrategy on 2 logical CPUs, JAX shard_map over 4 host devices with a pmean, Keras on JAX "
+    "keras.distribution.DataParallel over 4 host devices)",
     "sharded": "one program over sharded state (torch FSDP2 fully_shard on 2 gloo processes, JAX jit with "
-    "NamedSharding over 4 host devices)",
+    "NamedSharding over 4 host devices, Keras on JAX keras.distribution.ModelParallel with sharded kernels)",
 }
 
 
@@ -344,6 +345,18 @@ def distributed_cases() -> list[Case]:
                     "every shard updated or none, one scale trace: the core's for the global flags)",
                 )
             )  # fmt: skip
+    recipe = mpx.Float8Recipe(amax_history_len=4)
+    out.append(_case(
+        "distributed", "fp8_amax_one_shard.sharded", "distributed",
+        {"scenario": "fp8_amax", "engine": "sharded", "recipe": recipe.to_dict(), "flags": [T] * 4},
+        {"consistent": True, "global_amax": True},
+        "a Dense layer with delayed-scaling FP8 (history 4) trained 4 steps with its batch sharded over the "
+        "devices, each step's largest |x| on one device's rows only (JAX jit with NamedSharding over 4 host "
+        "devices, Keras on JAX keras.distribution.ModelParallel): every device holds the same FP8 scales "
+        "and histories (replicated) and the input amax recorded is the MAX over the whole batch; under mpx the "
+        "scales and histories are also mpx.float8.float8_update's chain over the global amaxes, bit for bit "
+        "(keras-jax: the gradient's amax as recorded, the input's and weight's from the whole arrays)",
+    ))  # fmt: skip
     return out
 
 

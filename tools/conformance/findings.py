@@ -93,6 +93,7 @@ REPLICA_NAME = {
     "torch": "torch.amp.GradScaler under DDP",
     "tf": "Keras's LossScaleOptimizer under MirroredStrategy",
     "jax": "a jmp-style loss scale under shard_map (no axis_name)",
+    "keras-jax": "Keras's LossScaleOptimizer under keras.distribution on JAX",
 }
 ACCUMULATION_NAME = {"torch": "torch.amp.GradScaler with accumulated backward passes",
                      "tf": "Keras's gradient_accumulation_steps under its LossScaleOptimizer",
@@ -221,6 +222,8 @@ def _classify(r: dict, params: dict) -> tuple[str, str, str]:
         return "scaler semantics", "medium", "trace:" + "+".join(cause)
     if group == "skip":
         return "scaler semantics", "high", "skip"
+    if group == "distributed" and isinstance(obs, dict) and obs.get("no_engine"):  # nothing runs replicas
+        return "API or format gap", "medium", "replicas:no engine"
     if group == "distributed" and isinstance(obs, dict) and "consistent" in obs:
         # replicas that disagree, or agree on applying a step that is non-finite on one of them
         return "scaler semantics", "high", "replicas:diverge" if not obs["consistent"] else "replicas:applied"
@@ -356,6 +359,12 @@ TEXTS: dict[str, tuple[str, str, str]] = {
         "skip and back off while the others step and grow, so the parameters diverge silently and the "
         "replicas train different models.",
     ),
+    "replicas:no engine": (
+        "framework",
+        "{name}: no engine runs these replica cases: {cases}",
+        "{no_engine}. A user of this column cannot train on several devices this way at all, with or "
+        "without mpx; the cases run in the columns that have an engine.",
+    ),
     "replicas:applied": (
         "replicas",
         "{name}: a step non-finite on one replica is applied: {cases}",
@@ -489,6 +498,9 @@ class _Fields(dict):
         from conformance.fp8.cases import FP8_EFFECTS
 
         return " ".join(FP8_EFFECTS.get(c, c) for c in self.topic.split(":")[1].split("+"))
+
+    def _no_engine(self) -> str:
+        return str(self.rows[0]["observed"]["no_engine"]).rstrip(".")
 
     def _keys(self) -> str:
         return _list(sorted((self.rows[0].get("observed") or {}).get("state_dict", {}) or {}), 4)

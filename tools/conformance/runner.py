@@ -29,9 +29,10 @@ from pathlib import Path
 
 from conformance import cases as C
 from conformance import report
+from conformance.progress import ColumnProgress
 from conformance.worker import MODES
 from mpx_tools.command import Command
-from mpx_tools.workers import BACKENDS, ROOT, Progress, backend_names, is_installed, run_worker, worker_env
+from mpx_tools.workers import BACKENDS, ROOT, backend_names, is_installed, run_worker, worker_env
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,7 +47,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--only", default=None, metavar="PREFIX[,PREFIX...]",
         help="run only cases whose id starts with one of these comma-separated prefixes (scaler,numerics.mlp)",
     )  # fmt: skip
-    parser.add_argument("--quiet", action="store_true", help="no progress display")
+    parser.add_argument(
+        "--quiet", action="store_true",
+        help="no progress display (otherwise a bar per column with an estimate on a terminal, plain lines off one)",
+    )  # fmt: skip
 
 
 def matches(case_id: str, only: str | None) -> bool:
@@ -109,8 +113,8 @@ def _run(backends: list[str], only: str | None, quiet: bool) -> dict:
     installed = [b for b in backends if is_installed(b)]
     cases = selected(only)
     per_worker = len(cases)
-    total, done = per_worker * len(MODES) * len(installed), 0
-    progress = Progress(quiet)
+    total = per_worker * len(MODES) * len(installed)
+    progress = ColumnProgress(total, quiet=quiet)
     started = time.monotonic()
     results: list[dict] = []
     meta: dict[str, dict] = {}
@@ -131,6 +135,7 @@ def _run(backends: list[str], only: str | None, quiet: bool) -> dict:
                 results.extend(_skip_rows(backend, f"{BACKENDS[backend]} is not installed", only))
                 continue
             t0 = time.monotonic()
+            progress.start(backend, per_worker * len(MODES))
             rows: list[dict] = []
             failures: dict[str, tuple[str, str]] = {}
             for mode in MODES:  # native first: a process of its own, nothing of mpx loaded
@@ -138,8 +143,8 @@ def _run(backends: list[str], only: str | None, quiet: bool) -> dict:
                 seen = 0
                 got: dict[str, dict] = {}
 
-                def collect(row: dict, backend: str = backend, got: dict = got, rows: list = rows) -> None:
-                    nonlocal seen, done
+                def collect(row: dict, got: dict = got, rows: list = rows) -> None:
+                    nonlocal seen
                     kind = row.pop("type", None)
                     if kind in ("info", "done"):
                         row.pop("backend", None)
@@ -147,9 +152,7 @@ def _run(backends: list[str], only: str | None, quiet: bool) -> dict:
                         return
                     rows.append(row)
                     seen += 1
-                    done += 1
-                    progress.show(f"[{done:4d}/{total}] {backend:<5} {row['mode']:<6} {row['case']}",
-                                  force=done == total)  # fmt: skip
+                    progress.advance(row["mode"], row["case"])
 
                 w0 = time.monotonic()
                 _, code, stderr = run_worker("conformance.worker", args, collect, backend=backend)

@@ -89,6 +89,9 @@ KNOWN_DIVERGENCES["torch"] += ["models.gpt2.ops", "models.bert.ops"]  # autocast
 KNOWN_DIVERGENCES["tf"] += [  # Keras's LSO under MirroredStrategy applies a step non-finite on replica 1
     "distributed.inf_in_loss_one_replica.per_replica", "distributed.inf_in_grads_after_reduce.per_replica",
     *(c["id"] for c in C.accumulation_cases()),  # gradient_accumulation_steps: scale per micro-batch
+    # Keras on TensorFlow has no sharded engine: a finding (its observation names why), not a skip
+    "distributed.inf_in_loss_one_replica.sharded", "distributed.inf_in_grads_after_reduce.sharded",
+    "distributed.fp8_amax_one_shard.sharded",
 ]  # fmt: skip
 KNOWN_DIVERGENCES["jax"] += [  # shard_map without axis_name: shards diverge; MultiSteps: scale per micro-batch
     "distributed.inf_in_grads_after_reduce.per_replica", *(c["id"] for c in C.accumulation_cases()),
@@ -99,7 +102,8 @@ KNOWN_AGREEMENTS = {
               "distributed.inf_in_grads_after_reduce.sharded",  # DTensor all-reduces GradScaler's found_inf
               *(c["id"] for c in C.accumulation_cases())],
     "jax": ["distributed.inf_in_loss_one_replica.per_replica", "distributed.inf_in_loss_one_replica.sharded",
-            "distributed.inf_in_grads_after_reduce.sharded"],
+            "distributed.inf_in_grads_after_reduce.sharded",
+            "distributed.fp8_amax_one_shard.sharded"],  # jit: Flax's FP8 amaxes are global values
 }  # fmt: skip
 
 
@@ -317,7 +321,7 @@ def test_a_native_worker_runs_with_nothing_of_mpx_loaded(backend, tmp_path):
     assert [(r["case"], r["detail"]) for r in results if r["mode"] != "native" or r["status"] == "error"] == []
     replicas = done.get("replicas") or {}
     assert replicas.get("mpx_modules", []) == [] and replicas.get("blocked", []) == []
-    if backend in ("torch", "jax"):  # these replica scripts report their isolation
+    if backend in ("torch", "jax", "keras-jax"):  # these replica scripts report their isolation
         assert replicas == {"mpx_modules": [], "blocked": []}
 
 
@@ -439,8 +443,8 @@ def test_the_models_op_table_names_mpx_torchs_functions():
 #: The cases the keras-jax and keras-torch columns run in this suite: every scaler, skip, portability and
 #: accumulation case (the traces), the policies, the MLP, and ops computed by layers and by functions
 #: (about 190 s for both columns on this 2-core machine under load; keras-jax takes three quarters).
-KERAS_ONLY = ("policy,scaler,skip,portability,accumulation,numerics.mlp,ops.softmax.,ops.layer_norm.,ops.add.,"
-              "ops.matmul.,ops.exp.")  # fmt: skip
+KERAS_ONLY = ("policy,scaler,skip,portability,accumulation,distributed,numerics.mlp,ops.softmax.,ops.layer_norm.,"
+              "ops.add.,ops.matmul.,ops.exp.")  # fmt: skip
 KERAS_INSTALLED = [b for b in KERAS_NEW if is_installed(b)]
 KERAS_CASE_IDS = [c for c in CASE_IDS if any(c.startswith(p) for p in KERAS_ONLY.split(","))]
 
@@ -546,3 +550,41 @@ def test_keras_scaler_states_are_the_cores_and_load_on_every_keras_backend(tmp_p
         assert proc.returncode == 0, proc.stderr[-3000:]
         saved = json.loads((tmp_path / f"{backend}.json").read_text())
         assert saved == C.saved_prefix_state(), backend
+
+
+def test_keras_on_jax_runs_the_replica_cases_on_keras_distribution(keras_data):
+    """keras-jax: DataParallel (per_replica) and ModelParallel with sharded kernels (sharded) over 4 host
+    devices, natively and under mpx: every device skips alike and holds the same scale, and FP8 state is
+    the same on every device with the whole batch's input amax (issue 33)."""
+    if "keras-jax" not in KERAS_INSTALLED:
+        pytest.skip("jax is not installed")
+    for case in C.distributed_cases():
+        for mode in ("native", "mpx"):
+            r = _result(keras_data, "keras-jax", case["id"], mode)
+            assert r["status"] == "pass", (mode, r["detail"])
+            engine = "DataParallel" if case["params"]["engine"] == "per_replica" else "ModelParallel"
+            assert engine in r["observed"]["engine"]
+            layout = "P(None, 'model')" if engine == "ModelParallel" else "P(None, None)"
+            assert r["observed"]["kernel_layout"] == layout
+            if case["params"]["scenario"] == "fp8_amax":
+                assert r["observed"]["global_amax"] is True and "FP8" in r["observed"]["engine"]
+                assert r["observed"]["core_chain"] is (True if mode == "mpx" else None)
+                continue
+            assert all(len(set(s)) == 1 for s in zip(*r["observed"]["scales_per_replica"], strict=True))
+
+
+def test_keras_on_torch_has_no_replica_engine_and_says_so_in_a_finding(keras_data):
+    """keras-torch: natively the observation is Keras's missing engine (a finding), under mpx a skip saying so."""
+    if "keras-torch" not in KERAS_INSTALLED:
+        pytest.skip("torch is not installed")
+    from conformance.findings import findings
+
+    ids = [c["id"] for c in C.distributed_cases()]
+    for case in ids:
+        native = _result(keras_data, "keras-torch", case, "native")
+        assert native["status"] == "differs" and "keras.distribution is implemented for jax" in native[
+            "observed"]["no_engine"]  # fmt: skip
+        assert _result(keras_data, "keras-torch", case, "mpx")["status"] == "skip"
+    (found,) = [f for f in findings(keras_data) if f["backend"] == "keras-torch" and f["topic"] == "replicas:no engine"]
+    assert found["cases"] == ids and found["kind"] == "API or format gap"
+    assert "no replica or sharding engine" in found["explanation"]

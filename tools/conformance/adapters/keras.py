@@ -487,10 +487,28 @@ class KerasAdapter:
         return {"scales": scales}
 
     def run_distributed(self, p: dict, mode: str) -> dict:
-        raise Skip(
-            f"no replica engine for Keras on {keras.backend.backend()} in the conformance suite "
-            "(tf.distribute runs in the tf column; JAX sharding and torch DDP in the jax and torch columns)"
-        )
+        """keras.distribution over 4 host devices on JAX (conformance.distributed.keras_jax); on another
+        backend Keras has no engine: natively that is the observation (a finding), under mpx a skip."""
+        backend = keras.backend.backend()
+        if backend == "jax":
+            from conformance import distributed
+
+            return distributed.observed(self.name, p, mode)
+        why = no_engine(backend)
+        if mode == "native":
+            return {"consistent": False, "no_engine": why, "engine": None}
+        raise Skip(f"mpx_keras adds no engine of its own, so there is nothing to run under mpx: {why}")
+
+
+def no_engine(backend: str) -> str:
+    """Why Keras 3 on ``backend`` (not jax) has no engine for the distributed cases, read from the install:
+    which backends ``keras.distribution`` has an implementation for."""
+    import importlib.util
+
+    have = [b for b in ("jax", "tensorflow", "torch")
+            if importlib.util.find_spec(f"keras.src.backend.{b}.distribution_lib") is not None]  # fmt: skip
+    return (f"Keras {keras.__version__} on {backend} has no replica or sharding engine: keras.distribution is "
+            f"implemented for {', '.join(have) or 'no backend'} only (keras/src/backend/*/distribution_lib.py)")  # fmt: skip
 
 
 def export(adapter: KerasAdapter, namespace: dict) -> None:

@@ -1,8 +1,9 @@
 """The ``distributed`` group's scenarios, run in processes of their own (one launch per backend).
 
 Replicas need an engine set up before the framework starts: torch spawns 2 gloo processes,
-TensorFlow must configure 2 logical CPUs before it initialises, JAX needs
-``--xla_force_host_platform_device_count=4`` before it is imported.  So the worker (which has
+TensorFlow must configure 2 logical CPUs before it initialises, JAX (and Keras on JAX, whose engine is
+``keras.distribution``: script ``keras_jax``) needs ``--xla_force_host_platform_device_count=4`` before it
+is imported.  So the worker (which has
 already imported its framework) starts ``python -m conformance.distributed.BACKEND IN OUT`` once:
 ``IN`` lists every distributed case's params, the script runs each case in the worker's mode
 (environment ``MPX_CONFORMANCE_MODES``, :func:`conformance.isolation.modes_from_env`: a native
@@ -35,8 +36,12 @@ MODES = ("native", "mpx")
 
 #: How long one backend's launch may take before its cases skip (seconds).
 TIMEOUT_S = 150.0
-#: Extra environment per backend (JAX: 4 host devices; the others none).
-ENV = {"jax": {"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}}
+_FOUR = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+#: Extra environment per backend (JAX and Keras on JAX: 4 host devices; the others none).
+ENV = {"jax": _FOUR, "keras-jax": {**_FOUR, "KERAS_BACKEND": "jax"}}
+#: backend -> its script's module under ``conformance.distributed`` (a backend without one runs no replicas:
+#: its adapter says why without a launch, as keras-torch does: Keras on PyTorch has no engine).
+SCRIPTS = {"torch": "torch", "tf": "tf", "jax": "jax", "keras-jax": "keras_jax"}
 
 _CACHE: dict[str, dict[str, Any]] = {}
 _PENDING: dict[str, _Launch] = {}
@@ -58,7 +63,7 @@ class _Launch:
         # the worker's environment (the runner's worker_env), ROOT importable, the modes to run
         path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
         env = {**os.environ, "PYTHONPATH": path, MODES_ENV: ",".join(modes), **ENV.get(backend, {})}
-        cmd = [python or sys.executable, "-m", f"conformance.distributed.{backend}", str(folder / "in.json"),
+        cmd = [python or sys.executable, "-m", f"conformance.distributed.{SCRIPTS[backend]}", str(folder / "in.json"),
                str(self.dst)]  # fmt: skip
         self.proc: subprocess.Popen | None = None
         self.failed: str | None = None
@@ -108,6 +113,8 @@ def start(backend: str, cases: list[dict] | None = None, modes: tuple[str, ...] 
     ``cases`` default to every case of :mod:`conformance.cases` (which imports mpx: a native worker
     passes the cases it read from its file).
     """
+    if backend not in SCRIPTS:
+        return
     if backend not in _CACHE and backend not in _PENDING:
         if cases is None:
             from conformance import cases as C
@@ -133,7 +140,7 @@ def results(backend: str) -> dict[str, Any]:
 def isolation_report(backend: str) -> dict[str, Any]:
     """What ``backend``'s replica script reported of its isolation (``mpx_modules``, ``blocked``), or
     ``{}`` when it reported nothing (it did not run, or it predates the report)."""
-    if backend not in _CACHE and backend not in _PENDING:
+    if backend not in SCRIPTS or (backend not in _CACHE and backend not in _PENDING):
         return {}
     return results(backend).get("_isolation") or {}
 

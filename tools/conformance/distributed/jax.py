@@ -8,6 +8,11 @@ with no ``axis_name``.  Under ``shard_map`` every shard carries its own copy of 
 optimizer state (stacked along the mesh axis), so a shard that decides alone shows up as a
 divergence instead of being hidden by an ``out_specs=P()`` that returns shard 0's copy.
 
+The ``fp8_amax`` scenario trains a delayed-scaling FP8 Dense under ``jit`` with the batch sharded over the
+4 devices: natively Flax's ``Fp8DirectDotGeneralOp`` (its amax histories a collection overwritten with
+its gradient), under mpx ``mpx_jax.float8_flax.Float8Linear`` with ``float8_step``, checked against
+``mpx.float8.float8_update`` over the global batch's amaxes.
+
 The script runs the modes ``MPX_CONFORMANCE_MODES`` names (both by default); without ``mpx`` it
 blocks mpx's imports (:mod:`conformance.isolation`).  Scaler configs are
 ``mpx.ScalerConfig.to_dict()`` dicts: read by key natively, handed to mpx_jax under mpx.
@@ -191,6 +196,96 @@ def _jit(p: dict, mode: str, mesh) -> dict:
     return _observe("sharded", same, scales, applied)
 
 
+# -- FP8 under jit + NamedSharding: the amaxes of a batch sharded over the 4 devices ---------------------
+
+
+def _fp8_batches(p: dict) -> list[np.ndarray]:
+    """One (2N, 4) batch per step; step i's largest |x| sits in device (i % N)'s rows only."""
+    rng = np.random.default_rng(2)
+    out = []
+    for i in range(len(p["flags"])):
+        x = rng.standard_normal((2 * N, 4)).astype(np.float32)
+        x[2 * (i % N), i % 4] = np.float32(16.0 + i)
+        out.append(x)
+    return out
+
+
+def _fp8(p: dict, mode: str, mesh) -> dict:
+    """A Dense layer with delayed-scaling FP8 trained with jit over a batch sharded on 4 devices: per step
+    every device's FP8 state (bytes), the input amax it recorded, and under mpx the core's chain."""
+    rows, rep = NamedSharding(mesh, P(AXIS)), NamedSharding(mesh, P())
+    length = p["recipe"]["amax_history_len"]
+    kernel0 = jnp.asarray(np.random.default_rng(0).standard_normal((4, 8)) / 2, jnp.float32)
+    c = jnp.asarray(np.random.default_rng(3).standard_normal((2 * N, 8)), jnp.float32)
+    if mode == "native":  # Flax's FP8 op: its amax histories are a collection overwritten with its gradient
+        from flax.linen import fp8_ops
+
+        op = fp8_ops.Fp8DirectDotGeneralOp(amax_history_length=length)
+        dims = (((1,), (0,)), ((), ()))
+        fp8 = jax.device_put(op.init(jax.random.PRNGKey(0), jnp.ones((2, 4)), kernel0, dims)["_overwrite_with_gradient"], rep)
+
+        @jax.jit
+        def step(kernel, fp8, x):
+            def loss(k, v):
+                return jnp.sum(op.apply({"_overwrite_with_gradient": v}, x, k, dims) * c)
+
+            gk, new = jax.grad(loss, argnums=(0, 1))(kernel, fp8)
+            return kernel - LR * gk, new
+
+        def read(fp8):  # (every device's bytes of the collection, the input amax just recorded)
+            return fp8, fp8["input_amax_history"]
+    else:
+        from flax import nnx
+
+        import mpx
+        import mpx.float8 as core
+        import mpx_jax
+        from mpx_jax.float8_flax import FLOAT8_GRADS, Float8Linear, float8_step
+
+        recipe = mpx.Float8Recipe(**p["recipe"])
+        layer = Float8Linear(4, 8, recipe=recipe, use_bias=False, rngs=nnx.Rngs(0))
+        layer.kernel[...] = kernel0
+        opt = nnx.Optimizer(layer, mpx_jax.with_loss_scaling(optax.sgd(LR), {"kind": "static", "init_scale": 1.0}),
+                            wrt=nnx.Param)  # fmt: skip
+        graph, state = nnx.split((layer, opt))
+        state = jax.device_put(state, rep)
+
+        @jax.jit
+        def step(_kernel, state, x):
+            layer, opt = nnx.merge(graph, state)
+            grads = nnx.grad(lambda m: jnp.sum(m(x) * c), argnums=FLOAT8_GRADS)(layer)
+            float8_step(opt, layer, grads)
+            return None, nnx.state((layer, opt))
+
+        def read(state):
+            layer, _ = nnx.merge(graph, state)
+            return {"scale": layer.fp8_scale[...], "history": layer.fp8_history[...]}, layer.fp8_history[...]
+    kernel, carry = jax.device_put(kernel0, rep), (fp8 if mode == "native" else state)
+    same, global_amax, core_chain = True, True, True
+    if mode == "mpx":
+        ref = core.float8_init(recipe, {"x": "input", "w": "weight", "g": "grad"})
+        g_amax = np.float32(np.abs(np.asarray(c)).max())  # the loss is sum(y * c) at a static scale of 1
+    for x in _fp8_batches(p):
+        w_before = np.asarray(kernel if mode == "native" else nnx.merge(graph, carry)[0].kernel[...])
+        kernel, carry = step(kernel, carry, jax.device_put(x, rows))
+        tree, hist = read(carry)
+        leaves = jax.tree.leaves(tree)
+        per = [b"".join(np.asarray(sorted(a.addressable_shards, key=lambda s: s.device.id)[i].data).tobytes()
+                        for a in leaves) for i in range(N)]  # fmt: skip
+        same = same and len(set(per)) == 1 and all(a.sharding.is_fully_replicated for a in leaves)
+        global_amax = global_amax and np.asarray(hist).reshape(-1)[0] == np.float32(np.abs(x).max())
+        if mode == "mpx":
+            ref = core.float8_update(recipe, ref, {"x": np.float32(np.abs(x).max()),
+                                                   "w": np.float32(np.abs(w_before).max()), "g": g_amax})  # fmt: skip
+            want = np.asarray([ref.tensors[k].scale for k in ("x", "w", "g")], np.float32)
+            hist_want = np.asarray([ref.tensors[k].amax_history for k in ("x", "w", "g")], np.float32)
+            core_chain = core_chain and np.asarray(tree["scale"]).tobytes() == want.tobytes()
+            core_chain = core_chain and np.asarray(tree["history"]).tobytes() == hist_want.tobytes()
+    return {"consistent": bool(same and core_chain), "global_amax": bool(global_amax),
+            "core_chain": bool(core_chain) if mode == "mpx" else None,
+            "engine": "jit with NamedSharding over 4 host devices (batch sharded, FP8 state replicated)"}  # fmt: skip
+
+
 def main(argv: list[str]) -> int:
     src, dst = argv
     modes = isolation.modes_from_env()  # natively: the blocker, before anything runs
@@ -204,7 +299,8 @@ def main(argv: list[str]) -> int:
         out[cid] = {}
         for mode in modes:
             try:
-                out[cid][mode] = (_shard_map if p["engine"] == "per_replica" else _jit)(p, mode, mesh)
+                run = _fp8 if p["scenario"] == "fp8_amax" else _shard_map if p["engine"] == "per_replica" else _jit
+                out[cid][mode] = run(p, mode, mesh)
             except Exception as err:
                 out[cid][mode] = {"raised": f"{type(err).__name__}: {str(err).strip().splitlines()[0][:300]}"}
                 if DEBUG:

@@ -121,6 +121,10 @@ def _rank_main(rank: int, store: str, src: str, dst: str) -> None:
     for cid, p in specs.items():
         out[cid] = {}
         for mode in modes:
+            if p["scenario"] == "fp8_amax":
+                out[cid][mode] = {"skip": "the FP8 replica case runs in the jax and keras-jax columns; the suite has "
+                                          "no torch FP8 scenario on FSDP2 yet"}  # fmt: skip
+                continue
             try:
                 mine: Any = _run(p, mode, rank)
             except Exception as err:  # every rank runs the same code, so they fail alike
