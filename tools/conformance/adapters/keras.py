@@ -492,6 +492,13 @@ class KerasAdapter:
             "(tf.distribute runs in the tf column; JAX sharding and torch DDP in the jax and torch columns)"
         )
 
+    def run_models(self, p: dict, mode: str) -> dict:
+        """keras-hub backbones from tiny constructor arguments, Keras's policies against mpx's
+        (:mod:`mpx_tools.models.keras`)."""
+        from mpx_tools.models import keras as models
+
+        return models.observe(p, mode, self)
+
 
 def export(adapter: KerasAdapter, namespace: dict) -> None:
     """Bind ``adapter``'s ``info``, ``save_state`` and ``run_*`` methods into ``namespace`` (a module's globals)."""
