@@ -255,8 +255,8 @@ SUBJECTS: dict[str, dict[str, str]] = {
     "replicas": REPLICA_NAME,
     "accumulation": ACCUMULATION_NAME,
     # the models group: each column's own mixed precision on real model code (mpx_tools.models.COLUMNS)
-    "models": {"torch": "torch autocast", "tf": "Keras's mixed policies", "jax": "Flax's dtype argument",
-               "keras-jax": "Keras's mixed policies on JAX", "keras-torch": "Keras's mixed policies on PyTorch"},
+    "models": {"torch": "torch autocast", "tf": "Keras's mixed policy", "jax": "Flax's dtype argument",
+               "keras-jax": "Keras's mixed policy on JAX", "keras-torch": "Keras's mixed policy on PyTorch"},
     "fp8": {"torch": "torchao float8 training", "tf": "Keras float8 Dense", "jax": "Flax fp8_ops",
             "keras-jax": "Keras float8 Dense on JAX", "keras-torch": "Keras float8 Dense on PyTorch"},
 }
