@@ -418,14 +418,27 @@ def accumulation_cases() -> list[Case]:
 
 
 # -- real models (issue 23) ------------------------------------------------------------------------------
-#: The models group's words per model: what each is, as the report names it.
+#: The models group's words per model: what each is, as the report names it (the columns that run it and
+#: with what code: mpx_tools.models.COLUMNS).
 MODEL_NAMES = {
-    "gpt2": "HF GPT-2 (GPT2LMHeadModel)",
-    "llama": "HF Llama (LlamaForCausalLM)",
-    "bert": "HF BERT (BertForMaskedLM)",
-    "t5": "HF T5 (T5ForConditionalGeneration)",
-    "vit": "HF ViT (ViTForImageClassification)",
+    "gpt2": "GPT-2",
+    "llama": "Llama",
+    "bert": "BERT",
+    "t5": "T5",
+    "vit": "ViT",
+    "nnx_gpt": "a small GPT in Flax NNX (scan over remat-ed layers)",
+    "resnet": "a ResNet in Flax linen (BatchNorm batch statistics)",
 }
+
+
+def _model_words(model: str) -> str:
+    from mpx_tools.models import COLUMNS
+
+    runs: dict[str, list[str]] = {}
+    for column, what in COLUMNS[model].items():
+        runs.setdefault(what, []).append(column)
+    columns = "; ".join(", ".join(cs) + f": {what}" for what, cs in runs.items())
+    return f"{MODEL_NAMES[model]} ({columns})"
 
 
 def model_cases() -> list[Case]:
@@ -440,17 +453,21 @@ def model_cases() -> list[Case]:
                 f"no op the table keeps in float32 (softmax, norms, losses, pow, exp, sum...) computes in half "
                 f"precision under {M.POLICY}; the dtype every op computed in is listed"),
         "compile": ({"fullgraph": True, "graphs": 1, "breaks": 0},
-                    "torch.compile(fullgraph=True) of the forward: one graph, no break, as compiled"),
+                    "the forward compiles to one graph over two calls, no break: torch.compile(fullgraph=True) "
+                    "(graphs and breaks counted), one trace of jax.jit or tf.function"),
         "overflow": ({"scales": _trace(config, flags), "skipped": bad, "unchanged_on_skip": True,
                       "losses_finite": True},
                      f"{len(flags)} AdamW steps under {M.OVERFLOW_POLICY} with an inf in the loss at step "
                      f"{bad[0]}: that step is skipped (parameters and optimizer state bit-identical), the scale "
                      "follows the core's trace"),
         "logits": ({"within_tolerance": True},
-                   f"max |logits - float32 logits| under {M.POLICY} within {M.LOGITS_TOL:g} of max |logits|"),
+                   f"max |logits - float32 logits| under {M.POLICY} within {M.LOGITS_TOL:g} of max |logits| "
+                   "(a keras-hub backbone's sequence output)"),
         "activations": ({"within_ratio": True},
-                        f"the bytes autograd saves for backward (saved-tensor hooks) at most "
-                        f"{M.ACTIVATION_RATIO:g} x native autocast's"),
+                        f"the bytes kept for backward (torch: saved-tensor hooks; jax: the residuals of jax.vjp) "
+                        f"at most {M.ACTIVATION_RATIO:g} x native autocast's on torch (the same ops in float32); "
+                        "at most float32's where native mixed precision computes softmax and norm outputs in "
+                        "half (Keras, Flax: mpx keeps them float32), the ratio to native reported"),
     }  # fmt: skip
     float32_ops = sorted(op for op in mpx.OP_TABLE if mpx.classify(op, M.POLICY) is mpx.OpClass.FLOAT32)
     extra = {  # what a native run needs of the core, per aspect
@@ -467,7 +484,7 @@ def model_cases() -> list[Case]:
             expected, words = aspects[aspect]
             out.append(
                 _case("models", f"{model}.{aspect}", "models", {"model": model, "aspect": aspect, **extra[aspect]},
-                      expected, f"{MODEL_NAMES[model]} from a tiny config: {words}")
+                      expected, f"{_model_words(model)} from a tiny config: {words}")
             )  # fmt: skip
     return out
 

@@ -257,6 +257,9 @@ SUBJECTS: dict[str, dict[str, str]] = {
     "stepper": {**SCALER_NAME, "jax": "plain optax"},  # what applies (or skips) a non-finite step
     "replicas": REPLICA_NAME,
     "accumulation": ACCUMULATION_NAME,
+    # the models group: each column's own mixed precision on real model code (mpx_tools.models.COLUMNS)
+    "models": {"torch": "torch autocast", "tf": "Keras's mixed policy", "jax": "Flax's dtype argument",
+               "keras-jax": "Keras's mixed policy on JAX", "keras-torch": "Keras's mixed policy on PyTorch"},
     "fp8": {"torch": "torchao float8 training", "tf": "Keras float8 Dense", "jax": "Flax fp8_ops",
             "keras-jax": "Keras float8 Dense on JAX", "keras-torch": "Keras float8 Dense on PyTorch"},
 }
@@ -391,21 +394,23 @@ TEXTS: dict[str, tuple[str, str, str]] = {
         "restarts its scale and counters.",
     ),
     "models:ops": (
-        "framework",
+        "models",
         "{name} computes {model_ops} in half precision inside real models",
-        "In Hugging Face model code (tiny configs, random weights), ops the table keeps in float32 run in half "
-        "precision under native autocast when their input is half (an activation's pow, a norm after a "
-        "matmul), so those activations lose precision where mpx computes them in float32.",
+        "In real model code (tiny configs, random weights: Hugging Face on torch, keras-hub on Keras, Flax's "
+        "examples on JAX), ops the table keeps in float32 run in half precision under the framework's own "
+        "mixed precision (torch autocast: an activation's pow, a norm after a matmul; Keras's policies and "
+        "Flax's dtype: the attention softmax), so those activations lose precision where mpx computes them "
+        "in float32.",
     ),
     "models:overflow": (
-        "stepper",
+        "scaler",
         "{name}: the float16 run with an injected overflow differs in real models: {some_cases}",
         "The overflowing step is not skipped as the spec says, or the scale does not follow the core's trace.",
     ),
     "models": (
-        "framework",
+        "models",
         "{name} differs from mpx on real models: {some_cases}",
-        "See the observed values: graph counts, the logits' error or the saved-activation bytes.",
+        "See the observed values: trace or graph counts, the logits' error or the bytes kept for backward.",
     ),
     "fp8-quantize": ("fp8", "{name}: quantized bytes differ ({causes}): {some_cases}", "{fp8_effects}"),
     "fp8-trace": ("fp8", "{name}: FP8 scales follow other rules ({causes}): {some_cases}", "{fp8_effects}"),

@@ -421,3 +421,10 @@ def run_accumulation(p: dict, mode: str) -> dict:
 
 # the fp8 group (issue 26): conformance/fp8/jax.py
 from conformance.fp8.jax import run_fp8_matmul, run_fp8_quantize, run_fp8_trace  # noqa: E402, F401
+
+
+def run_models(p: dict, mode: str) -> dict:
+    """A Flax NNX GPT and a linen ResNet, Flax's ``dtype`` against mpx_jax (mpx_tools.models.flax)."""
+    from mpx_tools.models import flax as models
+
+    return models.observe(p, mode)

@@ -510,6 +510,13 @@ def no_engine(backend: str) -> str:
     return (f"Keras {keras.__version__} on {backend} has no replica or sharding engine: keras.distribution is "
             f"implemented for {', '.join(have) or 'no backend'} only (keras/src/backend/*/distribution_lib.py)")  # fmt: skip
 
+    def run_models(self, p: dict, mode: str) -> dict:
+        """keras-hub backbones from tiny constructor arguments, Keras's policies against mpx's
+        (:mod:`mpx_tools.models.keras`)."""
+        from mpx_tools.models import keras as models
+
+        return models.observe(p, mode, self)
+
 
 def export(adapter: KerasAdapter, namespace: dict) -> None:
     """Bind ``adapter``'s ``info``, ``save_state`` and ``run_*`` methods into ``namespace`` (a module's globals)."""

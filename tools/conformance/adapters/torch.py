@@ -337,8 +337,10 @@ def run_accumulation(p: dict, mode: str) -> dict:
 
 def run_models(p: dict, mode: str) -> dict:
     """HF Transformers models from tiny configs, torch.autocast against prepare (mpx_tools.models.torch)."""
+    from mpx_tools.models import check_column
     from mpx_tools.models import torch as models
 
+    check_column("torch", p["model"])
     return models.observe(p, mode)
 
 # the fp8 group (issue 26): conformance/fp8/torch.py
