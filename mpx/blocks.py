@@ -27,8 +27,13 @@ Fields
     (``fp8_max / amax`` rounded down to a power of two); ``"nearest"`` for
     ``float32``, ``e4m3`` and ``e4m3_f32`` (a round-to-nearest cast).
 
-    ``rounding``: ``"nearest"`` (ties to even).  ``"stochastic"`` and ``hadamard=True``
-    are named by the grammar and not implemented yet: they raise :class:`Float8Error`.
+    ``rounding``: ``"nearest"`` (ties to even) or ``"stochastic"``: the gradients' elements are
+    rounded stochastically with the core's counter generator keyed by (seed, step, tensor index),
+    so every backend rounds the same bits (:mod:`mpx.kernels.blocks`); inputs and weights round
+    to nearest, as Transformer Engine's NVFP4 does.
+
+    ``hadamard``: the random Hadamard transform (16x16, random signs per step) of the
+    weight-gradient GEMM's operands before they are quantized (:mod:`mpx.kernels.hadamard`).
 
 >>> r = PRESETS["mxfp8"]
 >>> r.element, r.block_of("weight"), r.scale, r.scale_rule
@@ -113,8 +118,8 @@ class BlockRecipe:
         input_block, weight_block, grad_block: each role's block (default ``"1x32"``).
         scale: scale format (default ``"e8m0"``).
         scale_rule: how a block's amax becomes its scale (default ``"floor"``).
-        rounding: element rounding (``"nearest"``).
-        hadamard: a random Hadamard transform before quantizing (False).
+        rounding: the gradients' element rounding (``"nearest"`` or ``"stochastic"``).
+        hadamard: the random Hadamard transform of the weight-gradient operands (False).
     """
 
     element: str = "e4m3"
@@ -152,17 +157,11 @@ class BlockRecipe:
                         "(float32 scales come from fp8_max / amax); allowed: e4m3, e5m2"
                     )
         if self.rounding not in _ROUNDINGS:
-            raise Float8Error(f"rounding: {_show(self.rounding)} is not allowed; allowed: nearest")
-        if self.rounding == "stochastic":
             raise Float8Error(
-                "rounding: 'stochastic' is not implemented in this version of mpx; allowed: nearest"
+                f"rounding: {_show(self.rounding)} is not allowed; allowed: {', '.join(_ROUNDINGS)}"
             )
         if not isinstance(self.hadamard, bool):
             raise Float8Error(f"hadamard: expected a bool, got {_show(self.hadamard)}")
-        if self.hadamard:
-            raise Float8Error(
-                "hadamard: True (a random Hadamard transform) is not implemented; allowed: False"
-            )
 
     # -- what the kernels read ---------------------------------------------------
     def element_of(self, role: str) -> str:
@@ -221,6 +220,12 @@ PRESETS: dict[str, BlockRecipe] = {
     "nvfp4": BlockRecipe(
         element="e2m1", input_block="1x16", weight_block="1x16", grad_block="1x16",
         scale="e4m3_f32", scale_rule="nearest",
+    ),
+    # Transformer Engine's NVFP4BlockScaling: 16x16 weight tiles, stochastically rounded gradients and
+    # the random Hadamard transform of the weight-gradient operands
+    "nvfp4_te": BlockRecipe(
+        element="e2m1", input_block="1x16", weight_block="16x16", grad_block="1x16",
+        scale="e4m3_f32", scale_rule="nearest", rounding="stochastic", hadamard=True,
     ),
     # Transformer Engine Float8BlockScaling (DeepSeek-V3): 1x128 activations and gradients, 128x128 weights
     "fp8_blockwise": BlockRecipe(
