@@ -63,6 +63,7 @@ __all__ = [
     "BlockRecipe",
     "is_block_recipe_dict",
     "refuse_block_recipe",
+    "storage_bytes",
 ]
 
 #: The element formats (short name: ml_dtypes type name).
@@ -237,6 +238,44 @@ PRESETS: dict[str, BlockRecipe] = {
 #: The presets a spec's ``fp8=`` key names (FP8 elements) and those ``fp4=`` names (FP4 elements).
 FP8_PRESETS = tuple(name for name, r in PRESETS.items() if r.element in ("e4m3", "e5m2"))
 FP4_PRESETS = tuple(name for name, r in PRESETS.items() if r.element == "e2m1")
+
+
+#: The stored bits of each element format (FP6 packed: 6 bits, as the OCP MX spec stores it).
+ELEMENT_BITS = {"e4m3": 8, "e5m2": 8, "e2m1": 4, "e2m3": 6, "e3m2": 6}
+#: The bytes of one scale of each scale format (``e4m3_f32`` adds 4 bytes per tensor).
+SCALE_BYTES = {"e8m0": 1, "pow2": 4, "float32": 4, "e4m3": 1, "e4m3_f32": 1}
+_PLAIN_BITS = {"float32": 32, "bfloat16": 16, "float16": 16}
+
+
+def storage_bytes(recipe: BlockRecipe | str, role: str, shape: tuple[int, int], axis: int = 1) -> int:
+    """The bytes a 2-D operand of ``shape`` takes quantized under ``recipe`` as ``role`` with blocks along
+    ``axis`` (as :func:`mpx.kernels.blocks.quantize` lays it out): the elements packed at their bits
+    (rounded up to a byte per tensor), one scale per block, 4 bytes of tensor scale for ``e4m3_f32``; the
+    weight-gradient operands of a Hadamard recipe (``input``/``grad`` along axis 0) count the reduction
+    dimension padded to 16.  ``recipe`` may also be ``"float32"``, ``"bfloat16"`` or ``"float16"`` (the
+    plain bytes).  Deterministic: a function of the shapes only.
+
+    >>> storage_bytes(PRESETS["mxfp8"], "weight", (64, 128)), storage_bytes("bfloat16", "weight", (64, 128))
+    (8448, 16384)
+    """
+    rows, cols = (shape[0], shape[1]) if axis in (1, -1) else (shape[1], shape[0])
+    if isinstance(recipe, str):
+        if recipe not in _PLAIN_BITS:
+            raise Float8Error(
+                f"recipe: {recipe!r} is not allowed; allowed: a BlockRecipe or {', '.join(_PLAIN_BITS)}"
+            )
+        return rows * cols * _PLAIN_BITS[recipe] // 8
+    if recipe.hadamard and axis == 0 and role in ("input", "grad"):
+        cols = -(-cols // 16) * 16
+    br, bc = recipe.block_of(role)
+    br, bc = br or rows, bc or cols
+    blocks = -(-rows // br) * -(-cols // bc)
+    extra = 4 if recipe.scale == "e4m3_f32" else 0
+    return (
+        -(-rows * cols * ELEMENT_BITS[recipe.element_of(role)] // 8)
+        + blocks * SCALE_BYTES[recipe.scale]
+        + extra
+    )
 
 
 def refuse_block_recipe(recipe: Any, where: str) -> None:
