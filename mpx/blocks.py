@@ -27,8 +27,13 @@ Fields
     (``fp8_max / amax`` rounded down to a power of two); ``"nearest"`` for
     ``float32``, ``e4m3`` and ``e4m3_f32`` (a round-to-nearest cast).
 
-    ``rounding``: ``"nearest"`` (ties to even).  ``"stochastic"`` and ``hadamard=True``
-    are named by the grammar and not implemented yet: they raise :class:`Float8Error`.
+    ``rounding``: ``"nearest"`` (ties to even) or ``"stochastic"``: the gradients' elements are
+    rounded stochastically with the core's counter generator keyed by (seed, step, tensor index),
+    so every backend rounds the same bits (:mod:`mpx.kernels.blocks`); inputs and weights round
+    to nearest, as Transformer Engine's NVFP4 does.
+
+    ``hadamard``: the random Hadamard transform (16x16, random signs per step) of the
+    weight-gradient GEMM's operands before they are quantized (:mod:`mpx.kernels.hadamard`).
 
 >>> r = PRESETS["mxfp8"]
 >>> r.element, r.block_of("weight"), r.scale, r.scale_rule
@@ -58,6 +63,7 @@ __all__ = [
     "BlockRecipe",
     "is_block_recipe_dict",
     "refuse_block_recipe",
+    "storage_bytes",
 ]
 
 #: The element formats (short name: ml_dtypes type name).
@@ -113,8 +119,8 @@ class BlockRecipe:
         input_block, weight_block, grad_block: each role's block (default ``"1x32"``).
         scale: scale format (default ``"e8m0"``).
         scale_rule: how a block's amax becomes its scale (default ``"floor"``).
-        rounding: element rounding (``"nearest"``).
-        hadamard: a random Hadamard transform before quantizing (False).
+        rounding: the gradients' element rounding (``"nearest"`` or ``"stochastic"``).
+        hadamard: the random Hadamard transform of the weight-gradient operands (False).
     """
 
     element: str = "e4m3"
@@ -152,17 +158,11 @@ class BlockRecipe:
                         "(float32 scales come from fp8_max / amax); allowed: e4m3, e5m2"
                     )
         if self.rounding not in _ROUNDINGS:
-            raise Float8Error(f"rounding: {_show(self.rounding)} is not allowed; allowed: nearest")
-        if self.rounding == "stochastic":
             raise Float8Error(
-                "rounding: 'stochastic' is not implemented in this version of mpx; allowed: nearest"
+                f"rounding: {_show(self.rounding)} is not allowed; allowed: {', '.join(_ROUNDINGS)}"
             )
         if not isinstance(self.hadamard, bool):
             raise Float8Error(f"hadamard: expected a bool, got {_show(self.hadamard)}")
-        if self.hadamard:
-            raise Float8Error(
-                "hadamard: True (a random Hadamard transform) is not implemented; allowed: False"
-            )
 
     # -- what the kernels read ---------------------------------------------------
     def element_of(self, role: str) -> str:
@@ -222,6 +222,12 @@ PRESETS: dict[str, BlockRecipe] = {
         element="e2m1", input_block="1x16", weight_block="1x16", grad_block="1x16",
         scale="e4m3_f32", scale_rule="nearest",
     ),
+    # Transformer Engine's NVFP4BlockScaling: 16x16 weight tiles, stochastically rounded gradients and
+    # the random Hadamard transform of the weight-gradient operands
+    "nvfp4_te": BlockRecipe(
+        element="e2m1", input_block="1x16", weight_block="16x16", grad_block="1x16",
+        scale="e4m3_f32", scale_rule="nearest", rounding="stochastic", hadamard=True,
+    ),
     # Transformer Engine Float8BlockScaling (DeepSeek-V3): 1x128 activations and gradients, 128x128 weights
     "fp8_blockwise": BlockRecipe(
         input_block="1x128", weight_block="128x128", grad_block="1x128", scale="pow2",
@@ -232,6 +238,44 @@ PRESETS: dict[str, BlockRecipe] = {
 #: The presets a spec's ``fp8=`` key names (FP8 elements) and those ``fp4=`` names (FP4 elements).
 FP8_PRESETS = tuple(name for name, r in PRESETS.items() if r.element in ("e4m3", "e5m2"))
 FP4_PRESETS = tuple(name for name, r in PRESETS.items() if r.element == "e2m1")
+
+
+#: The stored bits of each element format (FP6 packed: 6 bits, as the OCP MX spec stores it).
+ELEMENT_BITS = {"e4m3": 8, "e5m2": 8, "e2m1": 4, "e2m3": 6, "e3m2": 6}
+#: The bytes of one scale of each scale format (``e4m3_f32`` adds 4 bytes per tensor).
+SCALE_BYTES = {"e8m0": 1, "pow2": 4, "float32": 4, "e4m3": 1, "e4m3_f32": 1}
+_PLAIN_BITS = {"float32": 32, "bfloat16": 16, "float16": 16}
+
+
+def storage_bytes(recipe: BlockRecipe | str, role: str, shape: tuple[int, int], axis: int = 1) -> int:
+    """The bytes a 2-D operand of ``shape`` takes quantized under ``recipe`` as ``role`` with blocks along
+    ``axis`` (as :func:`mpx.kernels.blocks.quantize` lays it out): the elements packed at their bits
+    (rounded up to a byte per tensor), one scale per block, 4 bytes of tensor scale for ``e4m3_f32``; the
+    weight-gradient operands of a Hadamard recipe (``input``/``grad`` along axis 0) count the reduction
+    dimension padded to 16.  ``recipe`` may also be ``"float32"``, ``"bfloat16"`` or ``"float16"`` (the
+    plain bytes).  Deterministic: a function of the shapes only.
+
+    >>> storage_bytes(PRESETS["mxfp8"], "weight", (64, 128)), storage_bytes("bfloat16", "weight", (64, 128))
+    (8448, 16384)
+    """
+    rows, cols = (shape[0], shape[1]) if axis in (1, -1) else (shape[1], shape[0])
+    if isinstance(recipe, str):
+        if recipe not in _PLAIN_BITS:
+            raise Float8Error(
+                f"recipe: {recipe!r} is not allowed; allowed: a BlockRecipe or {', '.join(_PLAIN_BITS)}"
+            )
+        return rows * cols * _PLAIN_BITS[recipe] // 8
+    if recipe.hadamard and axis == 0 and role in ("input", "grad"):
+        cols = -(-cols // 16) * 16
+    br, bc = recipe.block_of(role)
+    br, bc = br or rows, bc or cols
+    blocks = -(-rows // br) * -(-cols // bc)
+    extra = 4 if recipe.scale == "e4m3_f32" else 0
+    return (
+        -(-rows * cols * ELEMENT_BITS[recipe.element_of(role)] // 8)
+        + blocks * SCALE_BYTES[recipe.scale]
+        + extra
+    )
 
 
 def refuse_block_recipe(recipe: Any, where: str) -> None:

@@ -180,7 +180,7 @@ _KEYS: dict[str, str] = {
 }
 _GRAMMAR = (
     "params=DTYPE,compute=DTYPE,output=DTYPE[,reduce=DTYPE][,keep_fp32=CATS][,fp8=hybrid|e4m3|none]"
-    "[,fp8_scaling=..,fp8_history=..,fp8_amax=..,fp8_margin=..,fp8_pow2=..][,fp4=nvfp4|mxfp4]"
+    "[,fp8_scaling=..,fp8_history=..,fp8_amax=..,fp8_margin=..,fp8_pow2=..][,fp4=nvfp4|nvfp4_te|mxfp4]"
     "[,master=DTYPE][,update=plain|kahan|stochastic][,opt_state=float32|bfloat16|int8:BLOCK][,@SELECTOR={SPEC}]"
 )
 #: The key form, as error messages show it.

@@ -39,15 +39,22 @@ from mpx_torch._categories import module_category
 __all__ = ["BlockLinear", "block_recipe_of", "convert", "quantize"]
 
 
-def quantize(x: torch.Tensor, recipe: BlockRecipe, role: str, axis: int = 1) -> kernel.BlockQuantized:
-    """A 2-D tensor quantized by the core's kernel with the torch table (int32 codes, per-block scales)."""
-    return kernel.quantize(ops_for(x.device), x.detach(), recipe, role, axis)
+def quantize(
+    x: torch.Tensor, recipe: BlockRecipe, role: str, axis: int = 1, *,
+    seed: int | None = None, step: Any = 0, index: int = 0,
+) -> kernel.BlockQuantized:  # fmt: skip
+    """A 2-D tensor quantized by the core's kernel with the torch table (int32 codes, per-block scales);
+    ``seed``, ``step``, ``index``: :func:`mpx.kernels.blocks.quantize`'s (stochastic rounding, RHT)."""
+    return kernel.quantize(
+        ops_for(x.device), x.detach(), recipe, role, axis, seed=seed, step=step, index=index
+    )
 
 
-def _qdq(x: torch.Tensor, recipe: BlockRecipe, role: str, axis: int) -> torch.Tensor:
-    """``x`` (2-D) quantized and dequantized: the float32 operand the GEMM multiplies."""
+def _qdq(x: torch.Tensor, recipe: BlockRecipe, role: str, axis: int, **rng: Any) -> torch.Tensor:
+    """``x`` (2-D) quantized and dequantized: the float32 operand the GEMM multiplies (for the
+    weight-gradient operands of a Hadamard recipe: the transformed operand, M padded to 16)."""
     o = ops_for(x.device)
-    return kernel.dequantize(o, kernel.quantize(o, x.detach(), recipe, role, axis), recipe, role, axis)
+    return kernel.dequantize(o, kernel.quantize(o, x.detach(), recipe, role, axis, **rng), recipe, role, axis)
 
 
 def _poison(y: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -62,9 +69,9 @@ class _BlockLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, recipe: BlockRecipe,
-                out_dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+                out_dtype: torch.dtype, rng: tuple[int, torch.Tensor, int]) -> torch.Tensor:  # fmt: skip
         ctx.save_for_backward(x, w)
-        ctx.recipe, ctx.has_bias = recipe, b is not None
+        ctx.recipe, ctx.has_bias, ctx.rng = recipe, b is not None, rng
         y = _poison(_qdq(x, recipe, "input", 1) @ _qdq(w, recipe, "weight", 1).T, x, w)
         if b is not None:
             y = y + b.float()
@@ -74,11 +81,15 @@ class _BlockLinearFunction(torch.autograd.Function):
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
         x, w = ctx.saved_tensors
         recipe = ctx.recipe
+        seed, step, index = ctx.rng
         dy = dy.float()
-        dx = _poison(_qdq(dy, recipe, "grad", 1) @ _qdq(w, recipe, "weight", 0), dy, w)
-        dw = _poison(_qdq(dy, recipe, "grad", 0).T @ _qdq(x, recipe, "input", 0), dy, x)
+        rng = {"seed": seed, "step": step}
+        dyq = _qdq(dy, recipe, "grad", 1, index=2 * index, **rng)
+        dx = _poison(dyq @ _qdq(w, recipe, "weight", 0), dy, w)
+        dyq = _qdq(dy, recipe, "grad", 0, index=2 * index + 1, **rng)
+        dw = _poison(dyq.T @ _qdq(x, recipe, "input", 0, **rng), dy, x)  # M padded to 16 under the RHT
         db = dy.sum(0).to(w.dtype) if ctx.has_bias else None
-        return dx.to(x.dtype), dw.to(w.dtype), db, None, None
+        return dx.to(x.dtype), dw.to(w.dtype), db, None, None, None
 
 
 class BlockLinear(nn.Linear):
@@ -87,10 +98,18 @@ class BlockLinear(nn.Linear):
     Attributes:
         block_recipe: the :class:`mpx.blocks.BlockRecipe`.
         block_gemm: ``"emulate"`` (see the module docs).
+        block_seed: the seed of stochastic rounding and the Hadamard signs (:func:`convert`'s ``seed``).
+        block_index: this layer's index among the model's block layers (its gradients' rounding keys
+            are ``2 * index`` for the input gradient's copy and ``2 * index + 1`` for the weight's).
+        block_step: the counter of the forward passes run with gradients enabled (the step of the
+            random bits; it advances on a step the loss scaler skips too: it is not state).
     """
 
     block_recipe: BlockRecipe
     block_gemm: str
+    block_seed: int
+    block_index: int
+    block_step: int
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         device_type = input.device.type
@@ -99,7 +118,11 @@ class BlockLinear(nn.Linear):
         )
         with torch.autocast(device_type, enabled=False):
             x2 = input.reshape(-1, input.shape[-1])
-            y = _BlockLinearFunction.apply(x2, self.weight, self.bias, self.block_recipe, out_dtype)
+            step = torch.tensor(self.block_step, dtype=torch.int32, device=input.device)
+            if torch.is_grad_enabled():
+                self.block_step += 1
+            rng = (self.block_seed, step, self.block_index)
+            y = _BlockLinearFunction.apply(x2, self.weight, self.bias, self.block_recipe, out_dtype, rng)
         return y.reshape(*input.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -107,10 +130,13 @@ class BlockLinear(nn.Linear):
         return f"{super().extra_repr()}, recipe={name}, gemm={self.block_gemm}"
 
 
-def convert(model: nn.Module, policy: PolicySpec, *, op_table: OpTable | None = None) -> nn.Module:
+def convert(
+    model: nn.Module, policy: PolicySpec, *, op_table: OpTable | None = None, seed: int = 0
+) -> nn.Module:
     """Run the ``nn.Linear`` modules of ``model`` whose policy names a block recipe as :class:`BlockLinear`,
     in place (only modules whose class is exactly ``nn.Linear``); a :class:`BlockLinear` whose policy no
-    longer names one becomes an ``nn.Linear`` again.
+    longer names one becomes an ``nn.Linear`` again.  ``seed`` (default 0): the layers' ``block_seed``
+    (stochastic rounding, Hadamard signs); the layers are indexed in ``named_modules`` order.
 
     Raises:
         mpx.UnsupportedTypeError: for a ``model`` that is not a ``torch.nn.Module``.
@@ -120,7 +146,10 @@ def convert(model: nn.Module, policy: PolicySpec, *, op_table: OpTable | None = 
             f"model: expected a torch.nn.Module, got {type(model).__name__}; "
             "mpx_torch.blocks.convert changes a model's nn.Linear modules in place."
         )
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise MPXError(f"seed: {seed!r} is not allowed; allowed: a Python int")
     root = get_policy(policy)
+    index = 0
     for path, sub in model.named_modules():
         if type(sub) is not nn.Linear and not isinstance(sub, BlockLinear):
             continue
@@ -128,8 +157,8 @@ def convert(model: nn.Module, policy: PolicySpec, *, op_table: OpTable | None = 
         recipe = own.fp8 if as_op_table(op_table).fp8_applies("linear", own) else None
         if not isinstance(recipe, BlockRecipe):
             if isinstance(sub, BlockLinear):
-                sub.__dict__.pop("block_recipe", None)
-                sub.__dict__.pop("block_gemm", None)
+                for name in ("block_recipe", "block_gemm", "block_seed", "block_index", "block_step"):
+                    sub.__dict__.pop(name, None)
                 sub.__class__ = nn.Linear
             continue
         if sub.weight.dim() != 2:
@@ -137,6 +166,9 @@ def convert(model: nn.Module, policy: PolicySpec, *, op_table: OpTable | None = 
         sub.__class__ = BlockLinear
         sub.block_recipe = recipe
         sub.block_gemm = "emulate"
+        sub.block_seed, sub.block_index = seed, index
+        sub.__dict__.setdefault("block_step", 0)
+        index += 1
     return model
 
 

@@ -31,6 +31,7 @@ from mpx.kernels import blocks as kb
 from mpx.kernels import blockwise as kbw
 from mpx.kernels import elements as ke
 from mpx.kernels import float8 as kf
+from mpx.kernels import hadamard as kh
 from mpx.kernels import ring as kr
 from mpx.kernels import rounding as kround
 from mpx.kernels import scale as ks
@@ -302,6 +303,35 @@ BLOCK_RECIPES = {
 }
 
 
+#: the randomized block recipes (stochastic rounding of gradients, the Hadamard transform of wgrad operands)
+RANDOM_RECIPES = {
+    "nvfp4_te": BLOCK_PRESETS["nvfp4_te"],
+    "mxfp8_sr_rht": BlockRecipe(rounding="stochastic", hadamard=True, scale_rule="rceil"),
+    "blockwise_sr": BlockRecipe(input_block="1x8", grad_block="1x8", scale="pow2", rounding="stochastic"),
+}
+
+
+def _blocks_random(o: ArrayOps, x: Any, name: str, role: str, axis: int, seed: int, step: Any) -> Any:
+    recipe = RANDOM_RECIPES[name]
+    q = kb.quantize(o, x, recipe, role, axis, seed=seed, step=step, index=7)
+    ts = o.float32(0.0) if q.tensor_scale is None else q.tensor_scale
+    return q.codes, q.scales, ts, kb.dequantize(o, q, recipe, role, axis)
+
+
+def _rht(o: ArrayOps, x: Any, mask: Any, axis: int) -> Any:
+    return kh.rht(o, x, mask, axis)
+
+
+def _random_block_inputs(t: tuple[Any, ...]) -> tuple[Any, ...]:
+    (x, _, _, axis), name, role, seed, step = t
+    return x, name, role, axis, seed, step
+
+
+def _rht_inputs(t: tuple[Any, ...]) -> tuple[Any, ...]:
+    (x, _, _, axis), mask = t
+    return x, np.asarray(mask, np.int32), axis
+
+
 @st.composite
 def _block_inputs(draw: Any) -> tuple[Any, ...]:
     rows, cols = 17, 33  # one shape no block divides (eager JAX compiles each op per shape: keep it one)
@@ -366,6 +396,20 @@ KERNELS: dict[str, tuple[Any, Callable[..., Any]]] = {
         _blockwise,
     ),
     "blocks": (_block_inputs(), _blocks),
+    "blocks_random": (
+        st.tuples(
+            _block_inputs(),
+            st.sampled_from(sorted(RANDOM_RECIPES)),
+            st.sampled_from(["input", "grad"]),
+            st.integers(0, 2**32 - 1),
+            st.one_of(st.integers(0, 2**31 - 1), st.integers(0, 2**31 - 1).map(np.int32)),
+        ).map(_random_block_inputs),
+        _blocks_random,
+    ),
+    "hadamard": (
+        st.tuples(_block_inputs(), st.lists(st.integers(0, 1), min_size=16, max_size=16)).map(_rht_inputs),
+        _rht,
+    ),
     "elements": (
         st.tuples(
             st.lists(FLOAT32, min_size=24, max_size=24).map(_arr),
@@ -389,7 +433,7 @@ KERNELS: dict[str, tuple[Any, Callable[..., Any]]] = {
 _MAX_EXAMPLES = {"round_bf16": 10, "stochastic_round": 6, "kahan_add": 8, "blockwise_int8": 5}
 #: per kernel, the hypothesis examples eagerly and compiled, where fewer than make_tests' own (eager JAX
 #: compiles every op for each new block geometry: about 3 s an example)
-_FEW = {"blocks": (3, 3), "elements": (10, 3)}
+_FEW = {"blocks": (3, 3), "blocks_random": (3, 2), "hadamard": (3, 2), "elements": (10, 3)}
 
 
 def make_tests(

@@ -11,13 +11,14 @@ and gets exactly the numpy table's bits:
 * :mod:`mpx.kernels.blockwise`: 8-bit block-quantized optimizer state (linear absmax);
 * :mod:`mpx.kernels.elements`: FP8/FP6/FP4 element codes (encode, decode);
 * :mod:`mpx.kernels.blocks`: block-scaled quantization (MX, NVFP4, blockwise and rowwise FP8);
+* :mod:`mpx.kernels.hadamard`: the random Hadamard transform of NVFP4's weight-gradient operands;
 * :mod:`mpx.kernels.parity`: the checks a backend's parity test runs against numpy.
 
 No backend defines a float-bit helper, a quantize, a scale update or a ring buffer of
 its own; a new rule or format is one kernel here.
 """
 
-from mpx.kernels import bits, blocks, blockwise, elements, float8, ring, rounding, scale
+from mpx.kernels import bits, blocks, blockwise, elements, float8, hadamard, ring, rounding, scale
 from mpx.kernels.array_ops import DTYPE_NAMES, NUMPY_OPS, ArrayOps, NumpyOps
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "blockwise",
     "elements",
     "float8",
+    "hadamard",
     "ring",
     "rounding",
     "scale",

@@ -39,6 +39,18 @@ Scales (the rules; every one on the float32 bits, so subnormals count everywhere
       amax at float32's smallest normal (``2**-126`` and ``6 * 2**-126``), so no step
       depends on a table's subnormal arithmetic (torchao: a zero tensor gives NaN scales).
 
+Stochastic rounding and the random Hadamard transform (``rounding="stochastic"``, ``hadamard=True``)
+    Stochastic rounding applies to the ``grad`` role (Transformer Engine's NVFP4 rounds gradients
+    so): every element's scaled value is rounded by :func:`mpx.kernels.elements.encode` with 16
+    random bits from :func:`mpx.kernels.rounding.random_bits` of the element's flat index in the
+    operand as given, keyed by ``(seed, step, index)``: every backend rounds the same bits, an
+    exactly representable value never changes, and the rounding is unbiased to ``2**-16`` of a grid
+    step.  The scales are the nearest-rounding ones.  The Hadamard transform applies to the
+    weight-gradient operands (``input`` and ``grad`` blocked along axis 0): the operand is first
+    :func:`mpx.kernels.hadamard.rht`-transformed along M with the signs of ``(seed, step)``, so its
+    codes have M padded to a multiple of 16 and :func:`dequantize` gives the transformed operand
+    (the GEMM of two transformed operands is the product of the originals).
+
 Zero, NaN and inf blocks (the same in every table)
     * an all-zero block: E8M0 code 0 (``2**-127``), its elements +-0 (signs kept); under
       pow2/float32 the 1e-12 floor's scale; under NVFP4 the block scale ``2**-6``;
@@ -64,12 +76,13 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from mpx.errors import Float8Error
-from mpx.kernels import elements
+from mpx.kernels import elements, hadamard
 from mpx.kernels import float8 as _f8
 from mpx.kernels.array_ops import ArrayOps
 from mpx.kernels.bits import SIGN_BIT, TINY_BITS, bits_of, from_bits, is_finite, product, split, to_bits, unit
+from mpx.kernels.rounding import random_bits
 
-__all__ = ["GEMM_OPERANDS", "BlockQuantized", "BlockSpec", "dequantize", "quantize"]
+__all__ = ["GEMM_OPERANDS", "BlockQuantized", "BlockSpec", "dequantize", "quantize", "randomized"]
 
 #: Per GEMM of a linear layer (``x`` (M, K), ``w`` (N, K), ``dy`` (M, N)): each operand's
 #: ``(tensor, role, reduction axis)``.
@@ -86,6 +99,8 @@ class BlockSpec(Protocol):
 
     scale: str
     scale_rule: str
+    rounding: str
+    hadamard: bool
 
     def element_of(self, role: str) -> str: ...
 
@@ -196,7 +211,18 @@ def _e8m0(o: ArrayOps, amax: Any, fmt: str, rule: str) -> Any:
     return o.where(nan, _E8M0_NAN, code)
 
 
-def quantize(o: ArrayOps, x: Any, recipe: BlockSpec, role: str, axis: int = 1) -> BlockQuantized:
+def randomized(recipe: BlockSpec, role: str, axis: int) -> tuple[bool, bool]:
+    """``(stochastic, hadamard)``: whether :func:`quantize` rounds this operand stochastically (the
+    ``grad`` role under ``rounding="stochastic"``) and whether it transforms it (``hadamard=True``:
+    the weight-gradient operands, ``input`` and ``grad`` along axis 0)."""
+    stochastic = getattr(recipe, "rounding", "nearest") == "stochastic" and role == "grad"
+    return stochastic, bool(getattr(recipe, "hadamard", False)) and axis == 0 and role in ("input", "grad")
+
+
+def quantize(
+    o: ArrayOps, x: Any, recipe: BlockSpec, role: str, axis: int = 1, *,
+    seed: int | None = None, step: Any = 0, index: int = 0,
+) -> BlockQuantized:  # fmt: skip
     """Quantize a 2-D operand with ``role``'s element format and block, blocks along ``axis`` (module docs).
 
     Args:
@@ -205,11 +231,29 @@ def quantize(o: ArrayOps, x: Any, recipe: BlockSpec, role: str, axis: int = 1) -
         recipe: an :class:`mpx.blocks.BlockRecipe`.
         role: ``"input"``, ``"weight"`` or ``"grad"``.
         axis: the GEMM's reduction axis of ``x`` (0 or 1); :data:`GEMM_OPERANDS` lists them.
+        seed: the run's seed (a Python int), needed when :func:`randomized` says so.
+        step: the step counter (a Python int or an int32 scalar array, >= 0; default 0).
+        index: the tensor's key for stochastic rounding (0..65534; default 0).
     """
     fmt, block = recipe.element_of(role), recipe.block_of(role)
-    xt = _oriented(o, o.float32(x), axis)
+    stochastic, transform = randomized(recipe, role, axis)
+    if (stochastic or transform) and not isinstance(seed, int):
+        raise Float8Error(
+            f"seed: {seed!r} is not allowed: the recipe rounds stochastically or transforms this operand "
+            "(rounding='stochastic' or hadamard=True); allowed: a Python int"
+        )
+    if not isinstance(index, int) or not 0 <= index < hadamard.SIGN_PARAM:
+        raise Float8Error(f"index: {index!r} is not allowed; allowed: an int in 0..65534")
+    xf = o.float32(x)
+    if transform:
+        xf = hadamard.rht(o, xf, hadamard.sign_mask(o, seed=seed, step=step), axis)
+    xt = _oriented(o, xf, axis)
     shape = tuple(xt.shape)
     blocks = _to_blocks(o, xt, shape, block)
+    rbits = None
+    if stochastic:
+        bits = random_bits(o, o.iota(xf), seed=seed, step=step, param=index)
+        rbits = _to_blocks(o, _oriented(o, bits, axis), shape, block)
     amax = from_bits(o, o.max_last(o.bit_and(to_bits(o, blocks), 0x7FFFFFFF)))  # (nr, nc, 1); NaN wins
     tensor_scale = None
     nan = math.nan
@@ -217,11 +261,11 @@ def quantize(o: ArrayOps, x: Any, recipe: BlockSpec, role: str, axis: int = 1) -
         code = _e8m0(o, amax, fmt, recipe.scale_rule)
         shift = o.where(o.eq(code, 0), 0 if recipe.scale_rule == "rceil" else 126, o.sub(127, code))
         data = o.where(o.eq(code, _E8M0_NAN), nan, blocks)
-        codes = elements.encode(o, data, fmt, o.where(o.eq(code, _E8M0_NAN), 0, shift))
+        codes = elements.encode(o, data, fmt, o.where(o.eq(code, _E8M0_NAN), 0, shift), rbits)
         scales = code
     elif recipe.scale in ("pow2", "float32"):
         mult = _f8.compute_scale(o, _Current(recipe.scale == "pow2"), amax, fmt)
-        codes = elements.encode(o, _mul(o, blocks, mult), fmt)
+        codes = elements.encode(o, _mul(o, blocks, mult), fmt, 0, rbits)
         scales = _recip(o, mult)
     else:  # e4m3, e4m3_f32: NVFP4
         floor = bits_of(6.0 * 2.0**-126)
@@ -237,7 +281,7 @@ def quantize(o: ArrayOps, x: Any, recipe: BlockSpec, role: str, axis: int = 1) -
         sf = elements.decode(o, code, "e4m3")
         r = _recip(o, sf) if recip is None else o.div(recip, sf)
         bad = o.eq(o.bit_and(code, 0x7F), 0x7F)
-        codes = elements.encode(o, o.where(bad, nan, _mul(o, blocks, o.where(bad, 1.0, r))), fmt)
+        codes = elements.encode(o, o.where(bad, nan, _mul(o, blocks, o.where(bad, 1.0, r))), fmt, 0, rbits)
         scales = code
     nr, nc = scales.shape[0], scales.shape[1]
     codes = _oriented(o, _from_blocks(o, codes, shape, block), axis)

@@ -80,27 +80,40 @@ def max_value(name: str) -> float:
     return _format(name).max_value
 
 
-def encode(o: ArrayOps, x: Any, fmt: str, shift: Any = 0) -> Any:
+def encode(o: ArrayOps, x: Any, fmt: str, shift: Any = 0, rbits: Any = None) -> Any:
     """The int32 codes of ``float32(x) * 2**shift`` in format ``fmt``, rounded to nearest even (exact:
     no float32 product is formed), saturated, NaN as the module docs say.
 
     ``shift``: an int32 array broadcastable to ``x`` (or a Python int), ``|shift| <= 300``.
+    ``rbits``: None (round to nearest even), or 16 random bits per element (int32 in ``[0, 2**16)``,
+    :func:`mpx.kernels.rounding.random_bits`) for stochastic rounding: the magnitude rounds up when
+    the top 16 bits of its remainder below the format's grid, plus ``rbits``, pass ``2**16 - 1``, so
+    a value ``f`` of the way (0 <= f < 1) from its lower neighbour rounds up with probability
+    ``floor(f * 2**16) / 2**16`` (unbiased to ``2**-16`` of a grid step; an exactly representable
+    value never changes); saturation, zeros, infinities and NaN as above.
     """
     f = _format(fmt)
     xf = o.float32(x)
     sign, mant, exp, zero = split(o, xf)
     e = o.add(exp, shift)  # x * 2**shift = mant * 2**(e - 23), mant in [2**23, 2**24)
     eff = o.maximum(e, f.emin)  # the binade of the result: below emin the subnormal grid
-    s = o.minimum(o.add(o.sub(eff, e), 23 - f.mbits), 30)  # bits dropped from mant (>= 20)
+    dropped = o.add(o.sub(eff, e), 23 - f.mbits)  # bits dropped from mant (>= 20)
+    s = o.minimum(dropped, 30)
     q = o.shr(mant, s)
-    rem = o.bit_and(mant, o.sub(o.shl(1, s), 1))
-    half = o.shl(1, o.sub(s, 1))
-    up = o.logical_or(o.lt(half, rem), o.logical_and(o.eq(rem, half), o.eq(o.bit_and(q, 1), 1)))
+    if rbits is None:
+        rem = o.bit_and(mant, o.sub(o.shl(1, s), 1))
+        half = o.shl(1, o.sub(s, 1))
+        up = o.logical_or(o.lt(half, rem), o.logical_and(o.eq(rem, half), o.eq(o.bit_and(q, 1), 1)))
+        tiny = o.lt(e, f.emin - f.mbits - 2)  # below half the smallest subnormal: zero
+    else:  # the remainder's top 16 bits (zero once 24 or more bits drop: mant < 2**24)
+        frac = o.bit_and(o.shr(mant, o.minimum(o.sub(dropped, 16), 30)), 0xFFFF)
+        up = o.lt(0xFFFF, o.add(frac, rbits))
+        tiny = o.lt(e, f.emin - f.mbits - 17)  # below 2**-16 of the smallest subnormal: never up
     q = o.add(q, o.where(up, 1, 0))
     # the code is monotone in the value: ((eff - emin) << mbits) + q covers normals, subnormals and a
     # carry into the next binade alike; past the largest code it saturates
     code = o.add(o.shl(o.minimum(o.sub(eff, f.emin), 64), f.mbits), q)
-    code = o.where(o.logical_or(zero, o.lt(e, f.emin - f.mbits - 2)), 0, o.minimum(code, f.max_code))
+    code = o.where(o.logical_or(zero, tiny), 0, o.minimum(code, f.max_code))
     finite = is_finite(o, xf)
     nan_code = f.max_code if f.nan_code is None else f.nan_code
     code = o.where(finite, code, o.where(is_nan(o, xf), nan_code, f.max_code))

@@ -54,6 +54,7 @@ def test_bench_json_schema(bench):
         "backends",
         "configs",
         "comparisons",
+        "block_formats",
     ):
         assert key in data
     assert {"cpu_model", "cpu_count", "cpu_flags", "platform", "python"} <= set(data["machine"])
@@ -65,6 +66,24 @@ def test_bench_json_schema(bench):
         assert meta["status"] == ("ok" if name in INSTALLED else "not installed"), meta
         if name in INSTALLED:
             assert meta["framework"] == name and meta["versions"] and meta["device"]
+
+
+def test_block_format_bytes_are_counted_from_the_shapes():
+    """``block_formats`` (issue 31): weights and saved wgrad inputs per storage format, by hand for mlp/tiny
+    (Linear(16, 32) and Linear(32, 16), batch 8)."""
+    from mpx_bench.bench import block_bytes
+
+    got = block_bytes("mlp", "tiny")
+    assert set(got) == {"float32", "bfloat16", *mpx.blocks.PRESETS}
+    assert got["bfloat16"] == {"weight_bytes": 2048, "saved_activation_bytes": 768, "weight/bfloat16": 1.0,
+                               "activation/bfloat16": 1.0}  # fmt: skip
+    # mxfp8: one byte per element and one E8M0 byte per 1x32 block (16 or 32 elements: one block per row)
+    assert got["mxfp8"]["weight_bytes"] == (512 + 32) + (512 + 16)
+    assert got["mxfp8"]["saved_activation_bytes"] == (128 + 16) + (256 + 32)  # blocks along the batch (8)
+    # nvfp4: half a byte per element, a byte per 16, 4 bytes of tensor scale per tensor
+    assert got["nvfp4"]["weight_bytes"] == (256 + 32 + 4) + (256 + 32 + 4)
+    assert got["float32"]["weight/bfloat16"] == 2.0 and got["mxfp4"]["weight/bfloat16"] < 0.3
+    assert block_bytes("transformer", "default")["nvfp4_te"]["weight/bfloat16"] == 0.252
 
 
 @pytest.mark.parametrize("backend", INSTALLED)

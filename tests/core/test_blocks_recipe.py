@@ -38,8 +38,7 @@ def test_presets_name_the_published_formats() -> None:
         ({"scale": "e8m1"}, "scale"),
         ({"scale_rule": "rceil", "scale": "pow2"}, "scale_rule"),
         ({"scale": "pow2", "element": "e2m1"}, "element"),
-        ({"rounding": "stochastic"}, "not implemented"),
-        ({"hadamard": True}, "not implemented"),
+        ({"rounding": "up"}, "rounding"),
         ({"hadamard": 1}, "hadamard"),
     ],
 )

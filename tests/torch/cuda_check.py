@@ -4,7 +4,12 @@
 
 1. CUDA autocast op dtypes, native torch.autocast vs mpx_torch.autocast, against mpx.result_dtype;
 2. GradScaler with fused AdamW under torch.cuda.set_sync_debug_mode("error") (no host sync);
-3. step time of an MLP (1024-4096-1024, batch 256, AdamW): bf16 vs fp32, native and mpx.
+3. step time of an MLP (1024-4096-1024, batch 256, AdamW): bf16 vs fp32, native and mpx;
+4. block formats (#31): the bytes and scales mpx_torch.blocks.quantize gives on the device equal the
+   CPU reference (mpx.kernels.blocks with numpy) for mxfp8, mxfp8_rceil, nvfp4 and fp8_blockwise, and
+   MXFP8 and blockwise FP8 GEMMs through torch._scaled_mm where this build and device support them
+   (each one's error vs the emulated GEMM, and its throughput ratio vs a bf16 matmul); an unsupported
+   GEMM prints why (it is not a failure).
 Without CUDA it says so and exits 0.
 """
 
@@ -21,6 +26,7 @@ from torch import nn
 
 import mpx
 import mpx_torch
+import mpx_torch._array_ops
 
 NAMES = {
     torch.float16: "float16",
@@ -145,6 +151,91 @@ def step_times() -> None:
         print(f"  {'mpx   ' if use_mpx else 'native'}: {line}")
 
 
+def _bench_ms(fn, n: int = 30) -> float:
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1000
+
+
+def _scaled_mm_mxfp8(qa, qb):
+    """``torch._scaled_mm`` of two MXFP8 operands (1x32 blocks along K; scales swizzled as cuBLAS reads them)."""
+    from torchao.prototype.mx_formats.utils import to_blocked
+
+    a = qa.codes.to(torch.uint8).view(torch.float8_e4m3fn)
+    b = qb.codes.to(torch.uint8).view(torch.float8_e4m3fn)
+    sa = to_blocked(qa.scales.to(torch.uint8).view(torch.float8_e8m0fnu))
+    sb = to_blocked(qb.scales.to(torch.uint8).view(torch.float8_e8m0fnu))
+    return lambda: torch._scaled_mm(a, b.t(), sa, sb, out_dtype=torch.bfloat16)
+
+
+def _scaled_mm_blockwise(qa, qb):
+    """``torch._scaled_mm`` of 1x128 activations and 128x128 weights (float32 dequantization scales, the
+    activation's outer-dim-major as cuBLAS reads them)."""
+    a = qa.codes.to(torch.uint8).view(torch.float8_e4m3fn)
+    b = qb.codes.to(torch.uint8).view(torch.float8_e4m3fn)
+    sa = qa.scales.t().contiguous().t()
+    sb = qb.scales.t().contiguous().t()
+    return lambda: torch._scaled_mm(a, b.t(), sa, sb.t(), out_dtype=torch.bfloat16)
+
+
+def blocks() -> int:
+    """Section 4 (module docs); returns the number of failed byte checks."""
+    import numpy as np
+
+    from mpx.blocks import PRESETS
+    from mpx.kernels import blocks as kb
+    from mpx.kernels.array_ops import NUMPY_OPS
+    from mpx_torch.blocks import quantize
+
+    print("== 4. block formats: device bytes vs the CPU reference; torch._scaled_mm vs bf16")
+    failures = 0
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 1024, generator=gen) * torch.exp(torch.randn(256, 1, generator=gen) * 4)
+    x[3, :32] = 0.0
+    for name in ("mxfp8", "mxfp8_rceil", "nvfp4", "fp8_blockwise"):
+        recipe = PRESETS[name]
+        for role, axis in (("input", 1), ("weight", 1), ("weight", 0), ("input", 0)):
+            got = quantize(x.cuda(), recipe, role, axis)
+            want = kb.quantize(NUMPY_OPS, x.numpy(), recipe, role, axis)
+            same = np.array_equal(got.codes.cpu().numpy(), want.codes) and np.array_equal(
+                got.scales.cpu().numpy().view(np.int32), np.asarray(want.scales).view(np.int32)
+            )
+            failures += not same
+            print(f"  {name:14} {role:6} axis {axis}: {'same bytes and scales' if same else 'FAIL: differ'}")
+    m = n = k = 4096
+    a = torch.randn(m, k, device="cuda")
+    w = torch.randn(n, k, device="cuda") / k**0.5
+    ab, wb = a.bfloat16(), w.bfloat16()
+    bf16_ms = _bench_ms(lambda: ab @ wb.t())
+    print(f"  bf16 matmul {m}x{k}x{n}: {bf16_ms:.3f} ms")
+    for name, make in (("mxfp8", _scaled_mm_mxfp8), ("fp8_blockwise", _scaled_mm_blockwise)):
+        recipe = PRESETS[name]
+        qa, qw = quantize(a, recipe, "input", 1), quantize(w, recipe, "weight", 1)
+        emulated = (
+            kb.dequantize(mpx_torch._array_ops.ops_for(a.device), qa, recipe, "input", 1)
+            @ kb.dequantize(mpx_torch._array_ops.ops_for(a.device), qw, recipe, "weight", 1).t()
+        )
+        try:
+            gemm = make(qa, qw)
+            out = gemm().float()
+        except (RuntimeError, ImportError, AttributeError, TypeError, ValueError) as err:
+            print(f"  {name}: torch._scaled_mm not supported here ({type(err).__name__}: {str(err)[:160]})")
+            continue
+        rel = float((out - emulated).abs().max() / emulated.abs().max())
+        ms = _bench_ms(gemm)
+        print(f"  {name}: torch._scaled_mm {ms:.3f} ms ({bf16_ms / ms:.2f}x bf16's throughput); "
+              f"max error vs the emulated GEMM {rel:.2e} of its max (bf16 output)")  # fmt: skip
+        failures += not rel < 1e-2
+    return failures
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to check")
@@ -152,6 +243,7 @@ def main() -> int:
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
     failures = op_dtypes() + no_sync()
     step_times()
+    failures += blocks()
     return 1 if failures else 0
 
 

@@ -49,7 +49,9 @@ def _batch(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], (tokens[:, :-1] + 1) % 16  # learn "the next token id" of each token
 
 
-@pytest.mark.parametrize("spec", ["mixed_bfloat16,fp8=mxfp8", "mixed_bfloat16,fp4=nvfp4"])
+@pytest.mark.parametrize(
+    "spec", ["mixed_bfloat16,fp8=mxfp8", "mixed_bfloat16,fp4=nvfp4", "mixed_bfloat16,fp4=nvfp4_te"]
+)
 def test_a_two_block_transformer_trains_with_falling_loss(spec: str) -> None:
     torch.manual_seed(0)
     model = mpx_torch.prepare(TinyTransformer(), spec)
@@ -128,6 +130,46 @@ def test_bytes_scales_and_gemms_equal_the_core(name: str) -> None:
     np.testing.assert_allclose(x.grad.numpy(), dq(dyn, "grad", 1) @ dq(wn, "weight", 0), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(layer.weight.grad.numpy(), dq(dyn, "grad", 0).T @ dq(xn, "input", 0),
                                rtol=1e-5, atol=1e-5)  # fmt: skip
+
+
+def test_nvfp4_te_rounds_gradients_stochastically_and_transforms_wgrad_as_the_core() -> None:
+    recipe = PRESETS["nvfp4_te"]
+    torch.manual_seed(4)
+    model = blocks.convert(
+        nn.Sequential(nn.Linear(32, 16), nn.Linear(16, 8)), "float32,fp4=nvfp4_te", seed=77
+    )
+    layer = model[1]
+    assert (layer.block_seed, layer.block_index, layer.block_step) == (77, 1, 0)
+    x = torch.randn(20, 32)  # M = 20: the Hadamard transform pads it to 32
+    grads = []
+    for step in range(2):
+        h = model[0](x).detach().requires_grad_()
+        y = layer(h)
+        dy = torch.randn_like(y)
+        y.backward(dy)
+        assert layer.block_step == step + 1
+        hn, wn, dyn = h.detach().numpy(), layer.weight.detach().numpy(), dy.numpy()
+
+        def dq(a: np.ndarray, role: str, axis: int, index: int = 0, step: int = step) -> np.ndarray:
+            q = kb.quantize(NUMPY_OPS, a, recipe, role, axis, seed=77, step=step, index=index)
+            return kb.dequantize(NUMPY_OPS, q, recipe, role, axis)
+
+        dx = dq(dyn, "grad", 1, 2) @ dq(wn, "weight", 0)
+        dw = dq(dyn, "grad", 0, 3).T @ dq(hn, "input", 0)
+        np.testing.assert_allclose(h.grad.numpy(), dx, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(layer.weight.grad.numpy(), dw, rtol=1e-5, atol=1e-6)
+        other = dq(dyn, "grad", 0, 3, step + 1).T @ dq(hn, "input", 0, step=step + 1)
+        assert not np.allclose(dw, other, rtol=1e-5, atol=1e-6)  # the step moves the random bits
+        grads.append(layer.weight.grad.clone())
+        layer.weight.grad = None
+    # still an estimate of the float32 weight gradient (the RHT and the rounding keep the product)
+    exact = dy.T @ h.detach()
+    assert (grads[-1] - exact).abs().max() < 0.6 * exact.abs().max()
+    with torch.no_grad():
+        layer(model[0](x))
+    assert layer.block_step == 2  # only gradient-enabled calls advance the step
+    with pytest.raises(mpx.MPXError, match="seed"):
+        blocks.convert(nn.Linear(4, 4), "float32,fp4=nvfp4_te", seed=1.5)
 
 
 def test_overrides_keep_modules_out_and_reconvert() -> None:

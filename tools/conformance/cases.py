@@ -33,6 +33,7 @@ GROUPS = (
     "accumulation",
     "models",
     "fp8",
+    "blocks",
 )
 
 POLICY_SPECS = (
@@ -287,12 +288,19 @@ def portability_cases() -> list[Case]:
 
 def all_cases() -> list[Case]:
     return (policy_cases() + op_cases() + scaler_cases() + stuck_cases() + skip_cases() + numeric_cases()
-            + portability_cases() + distributed_cases() + accumulation_cases() + model_cases() + fp8_cases())  # fmt: skip
+            + portability_cases() + distributed_cases() + accumulation_cases() + model_cases() + fp8_cases() + blocks_cases())  # fmt: skip
 
 
 def fp8_cases() -> list[Case]:
     """The ``fp8`` group (issue 26): quantized bytes, scale traces, FP8 GEMMs (conformance/fp8/cases.py)."""
     from conformance.fp8.cases import fp8_cases as cases
+
+    return cases()
+
+
+def blocks_cases() -> list[Case]:
+    """The ``blocks`` group (issue 31): block-scaled quantized bytes and scales (conformance/blocks/cases.py)."""
+    from conformance.blocks.cases import blocks_cases as cases
 
     return cases()
 

@@ -244,6 +244,10 @@ def _classify(r: dict, params: dict) -> tuple[str, str, str]:
         from conformance.fp8.cases import fp8_topic
 
         return fp8_topic(r["case"], params, exp, obs)
+    if group == "blocks" and isinstance(obs, dict):  # issue 31: named by conformance/blocks/cases.py
+        from conformance.blocks.cases import blocks_topic
+
+        return blocks_topic(r["case"], params, exp, obs)
     return "default differs", "low", f"other:{group}"
 
 
@@ -262,6 +266,9 @@ SUBJECTS: dict[str, dict[str, str]] = {
                "keras-jax": "Keras's mixed policy on JAX", "keras-torch": "Keras's mixed policy on PyTorch"},
     "fp8": {"torch": "torchao float8 training", "tf": "Keras float8 Dense", "jax": "Flax fp8_ops",
             "keras-jax": "Keras float8 Dense on JAX", "keras-torch": "Keras float8 Dense on PyTorch"},
+    "blocks": {"torch": "torchao's mx_formats and rowwise float8 (emulated)",
+               "jax": "JAX's block quantizer (jax.nn.scaled_dot_general)", "tf": "Keras (TensorFlow)",
+               "keras-jax": "Keras on JAX", "keras-torch": "Keras on PyTorch"},
 }
 
 #: What a scale-trace cause means for training, the second half of a ``trace`` finding's explanation.
@@ -415,6 +422,8 @@ TEXTS: dict[str, tuple[str, str, str]] = {
     "fp8-quantize": ("fp8", "{name}: quantized bytes differ ({causes}): {some_cases}", "{fp8_effects}"),
     "fp8-trace": ("fp8", "{name}: FP8 scales follow other rules ({causes}): {some_cases}", "{fp8_effects}"),
     "fp8-matmul": ("fp8", "{name}: the FP8 GEMM differs ({causes}): {some_cases}", "{fp8_effects}"),
+    "blocks-quantize": ("blocks", "{name}: block-scaled bytes differ ({causes}): {some_cases}", "{block_effects}"),
+    "blocks-missing": ("blocks", "{name}: no native block-scaled format: {some_cases}", "{block_effects}"),
     "other": (
         "framework",
         "{name}: {count} other divergences in {group}",
@@ -506,6 +515,12 @@ class _Fields(dict):
 
     def _no_engine(self) -> str:
         return str(self.rows[0]["observed"]["no_engine"]).rstrip(".")
+
+    def _block_effects(self) -> str:
+        from conformance.blocks.cases import BLOCK_EFFECTS
+
+        cause = self.topic.split(":")[1].split("+")[0] if ":" in self.topic else "missing"
+        return BLOCK_EFFECTS.get(cause, cause)
 
     def _keys(self) -> str:
         return _list(sorted((self.rows[0].get("observed") or {}).get("state_dict", {}) or {}), 4)

@@ -10,6 +10,7 @@ drawn by :mod:`conformance.plots`) and the scale traces aligned step by step (:f
 
 from __future__ import annotations
 
+import struct
 from collections import Counter, defaultdict
 from typing import Any
 
@@ -110,6 +111,15 @@ def fmt(value: Any) -> str:
             param = value.get("param")
             return (f"applied {_yn(value.get('applied'))}; scales {_scales(value['scales'])}"
                     + (f"; w {param:g}" if isinstance(param, float) else ""))  # fmt: skip
+        if "codes" in value and "scales" in value:  # blocks: sha256 digests of the codes and the scales
+            ts = value.get("tensor_scale")
+            return f"codes {value['codes'][:8]}, scales {value['scales'][:8]}" + (
+                ""
+                if ts is None
+                else f", tensor scale {_scale(struct.unpack('<f', struct.pack('<I', ts & 0xFFFFFFFF))[0])}"
+            )
+        if "missing" in value:
+            return f"none: {value['missing']}"
         if "scales" in value:
             extra = f", {value['skipped']} skipped" if "skipped" in value else ""
             last = _scale(value["scales"][-1]) if value["scales"] else "-"
@@ -162,7 +172,11 @@ def observed(r: dict | None) -> str:
     if r["status"] == "error":
         return "error: " + (r.get("detail") or "") + (f" (at {r['at']})" if r.get("at") else "")
     text = fmt(r.get("observed"))
-    grouped = r.get("group") in ("distributed", "accumulation")  # their text already shows the whole trace
+    grouped = r.get("group") in (
+        "distributed",
+        "accumulation",
+        "blocks",
+    )  # their text says it all (blocks: digests)
     if (
         not grouped
         and r["status"] == "differs"

@@ -32,6 +32,13 @@ The documented output is ``DIR/bench.json`` (format ``"mpx.bench/1"``):
   ``stats.TARGET_HELP``; None for a policy with ``fp8=``, whose ``target_note`` says why), ``meets_target``, ``warning`` (when the pairs spread wider than what the ratio shows);
 * ``warnings``: a busy machine (load average above half the cores) and every noisy comparison;
 * ``backends[NAME].threads``: the framework's thread pools where it reports them (torch, TensorFlow).
+* ``block_formats``: per storage format (``float32``, ``bfloat16`` and each block preset of
+  :data:`mpx.blocks.PRESETS`) the bytes of the model's Linear weights (``weight_bytes``: the forward
+  copy, blocks along the input dimension) and of the inputs they save for the weight gradient
+  (``saved_activation_bytes``: one step's inputs, blocks along the batch dimension, as Transformer
+  Engine keeps the columnwise copy), elements packed at their bits plus the scales
+  (:func:`mpx.blocks.storage_bytes`), and both as ratios to bfloat16.  Deterministic: counted from the
+  shapes, not measured (the CPU emulation saves the high-precision input);
 * ``backends.torch.hf_activations``: saved-activation bytes of HF GPT-2 and Llama (2 blocks, hidden 128,
   sequence 256) in float32, under native autocast and under mpx, with ``mpx/native``.
 """
@@ -48,7 +55,7 @@ from mpx_tools import workers
 from mpx_tools.machine import busy_warning, load_average, machine_info
 from mpx_tools.workers import BACKENDS, Progress, is_installed
 
-__all__ = ["FORMAT", "UNITS", "run", "run_worker"]
+__all__ = ["FORMAT", "UNITS", "block_bytes", "run", "run_worker"]
 
 FORMAT = "mpx.bench/1"
 UNITS = {
@@ -111,6 +118,25 @@ def _config_row(backend: str, rec: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
+def block_bytes(model: str, size: str) -> dict[str, dict[str, Any]]:
+    """``block_formats`` of ``bench.json`` (module docs) for ``model`` at ``size``."""
+    from mpx.blocks import PRESETS, storage_bytes
+    from mpx_bench.models import linears
+
+    layers = linears(model, size)
+    out: dict[str, dict[str, Any]] = {}
+    for name, fmt in [("float32", "float32"), ("bfloat16", "bfloat16"), *PRESETS.items()]:
+        weights = sum(storage_bytes(fmt, "weight", w, 1) for _, w, _ in layers)
+        saved = sum(storage_bytes(fmt, "input", (m, w[1]), 0) for _, w, m in layers)
+        out[name] = {"weight_bytes": weights, "saved_activation_bytes": saved}
+    for row in out.values():
+        row["weight/bfloat16"] = round(row["weight_bytes"] / out["bfloat16"]["weight_bytes"], 4)
+        row["activation/bfloat16"] = round(
+            row["saved_activation_bytes"] / out["bfloat16"]["saved_activation_bytes"], 4
+        )
+    return out
+
+
 def run(
     backends: list[str],
     *,
@@ -151,6 +177,7 @@ def run(
             "skip_slower_than": skip_slower_than,
         },
         "units": UNITS,
+        "block_formats": block_bytes(model, size),
         "backends": {},
         "configs": [],
         "comparisons": [],

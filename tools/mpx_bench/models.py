@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["MODELS", "SIZES", "dims"]
+__all__ = ["MODELS", "SIZES", "dims", "linears"]
 
 MODELS = ("mlp", "transformer", "cnn")
 SIZES = ("default", "small", "tiny")
@@ -65,3 +65,19 @@ def data(model: str, size: str = "default", seed: int = 0) -> tuple[Any, Any]:
         return x, rng.standard_normal((d["batch"], d["d"]), np.float32)
     x = rng.standard_normal((d["batch"], d["hw"], d["hw"], d["cin"]), np.float32)  # NHWC
     return x, rng.integers(0, d["classes"], d["batch"]).astype(np.int64)
+
+
+def linears(model: str, size: str = "default") -> list[tuple[str, tuple[int, int], int]]:
+    """The Linear layers of ``model`` (what a block recipe converts; the cnn's convolutions are not):
+    ``(name, weight shape (out, in), rows M of its 2-D input in one step)``, as every worker builds them."""
+    d = dims(model, size)
+    if model == "mlp":
+        return [("0", (d["h"], d["d"]), d["batch"]), ("2", (d["d"], d["h"]), d["batch"])]
+    if model == "cnn":
+        return [("7", (d["classes"], d["channels"][2]), d["batch"])]
+    m, dm, ff = d["batch"] * d["seq"], d["d"], d["ff"]
+    out = []
+    for i in range(d["layers"]):
+        out += [(f"blocks.{i}.attn.qkv", (3 * dm, dm), m), (f"blocks.{i}.attn.out", (dm, dm), m),
+                (f"blocks.{i}.mlp.0", (ff, dm), m), (f"blocks.{i}.mlp.2", (dm, ff), m)]  # fmt: skip
+    return [*out, ("head", (dm, dm), d["batch"])]

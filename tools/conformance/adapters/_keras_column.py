@@ -21,8 +21,9 @@ def keras_column(column: str, backend: str, namespace: dict) -> None:
             f"{keras.backend.backend()} (import the adapter before Keras, or set KERAS_BACKEND={backend})"
         )
     from conformance.adapters.keras import KerasAdapter, export
+    from conformance.blocks.keras import run_block_quantize
     from conformance.fp8.keras import run_fp8_matmul, run_fp8_quantize, run_fp8_trace
 
     export(type("KerasColumnAdapter", (KerasAdapter,), {"name": column})(), namespace)
     namespace.update(run_fp8_matmul=run_fp8_matmul, run_fp8_quantize=run_fp8_quantize,
-                     run_fp8_trace=run_fp8_trace)  # fmt: skip
+                     run_fp8_trace=run_fp8_trace, run_block_quantize=run_block_quantize)  # fmt: skip

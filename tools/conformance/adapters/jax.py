@@ -419,7 +419,8 @@ def run_accumulation(p: dict, mode: str) -> dict:
             start = np.asarray(params)
     return {"applied": applied, "scales": scales, "micro_scales": micro, "param": float(params[0])}
 
-# the fp8 group (issue 26): conformance/fp8/jax.py
+# the fp8 group (issue 26): conformance/fp8/jax.py; the blocks group (issue 31): conformance/blocks/
+from conformance.blocks.jax import run_block_quantize  # noqa: E402, F401
 from conformance.fp8.jax import run_fp8_matmul, run_fp8_quantize, run_fp8_trace  # noqa: E402, F401
 
 

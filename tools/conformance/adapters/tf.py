@@ -148,5 +148,7 @@ ADAPTER = TFAdapter()
 export(ADAPTER, globals())
 functions = ADAPTER.functions
 
-# the fp8 group (issue 26): conformance/fp8/keras.py, the same on every Keras backend
+# the fp8 group (issue 26): conformance/fp8/keras.py, the same on every Keras backend;
+# the blocks group (issue 31): conformance/blocks/keras.py
+from conformance.blocks.keras import run_block_quantize  # noqa: E402, F401
 from conformance.fp8.keras import run_fp8_matmul, run_fp8_quantize, run_fp8_trace  # noqa: E402, F401

@@ -343,5 +343,6 @@ def run_models(p: dict, mode: str) -> dict:
     check_column("torch", p["model"])
     return models.observe(p, mode)
 
-# the fp8 group (issue 26): conformance/fp8/torch.py
+# the fp8 group (issue 26): conformance/fp8/torch.py; the blocks group (issue 31): conformance/blocks/
+from conformance.blocks.torch import run_block_quantize  # noqa: E402, F401
 from conformance.fp8.torch import run_fp8_matmul, run_fp8_quantize, run_fp8_trace  # noqa: E402, F401

@@ -15,7 +15,7 @@ import mpx
 import mpx_torch
 from mpx.update_policy import needs_policy_optimizer
 from mpx_compare.workers.common import Settings, batches, record, run_all
-from mpx_torch import float8
+from mpx_torch import blocks, float8
 from mpx_torch.optim import PolicyOptimizer
 
 __all__ = ["build", "compare", "info"]
@@ -89,7 +89,9 @@ def _train(make_model: Callable[[int], nn.Module], data: Sequence[np.ndarray], p
     model = make_model(seed).to(device)
     if p.lowers_precision or _uses_fp8(p):
         model = mpx_torch.prepare(model, p)  # under fp8=: the policy's nn.Linear modules run FP8 GEMMs
-    fp8_layers = sum(1 for _ in float8.float8_layers(model))
+        blocks.convert(model, p, seed=seed)  # block recipes (fp8=mxfp8, fp4=nvfp4): the run's seed keys SR
+    tensor_fp8 = sum(1 for _ in float8.float8_layers(model))
+    fp8_layers = tensor_fp8 + sum(isinstance(m, blocks.BlockLinear) for m in model.modules())
     opt: Any = torch.optim.Adam(model.parameters(), lr=settings.lr)
     if needs_policy_optimizer(p):  # master/update/opt_state keys: the policy optimizer steps Adam
         opt = PolicyOptimizer(opt, p, seed=seed)
@@ -105,8 +107,8 @@ def _train(make_model: Callable[[int], nn.Module], data: Sequence[np.ndarray], p
         scaler.scale(loss).backward()
         scaler.step(opt)
         scaler.update()
-        if fp8_layers:
-            float8.commit_float8(model, scaler)  # nothing on a skipped step
+        if tensor_fp8:
+            float8.commit_float8(model, scaler)  # nothing on a skipped step (block recipes keep no state)
         losses.append(float(loss.detach()))
         scales.append(float(scaler.get_scale()) if scaler.config.kind != "none" else 1.0)
     model.eval()
@@ -130,7 +132,9 @@ def compare(make_model: Callable[[int], nn.Module], data: Sequence[np.ndarray], 
     ``ScalerConfig.for_policy``; the batch order depends on the seed only.
     Under a policy with ``fp8=``, ``prepare`` turns the policy's ``nn.Linear``
     modules into FP8 GEMMs (``mpx_torch.float8``) and their state commits after
-    each step (nothing on a skipped one); ``fp8_layers`` in each run counts them.
+    each step (nothing on a skipped one); ``fp8_layers`` in each run counts them.  Under a block recipe
+    (``fp8=mxfp8``, ``fp4=nvfp4``...) they are ``mpx_torch.blocks.BlockLinear`` (stateless; keyed by
+    the run's seed) and ``fp8_layers`` counts those.
     """
     settings = settings or Settings()
     return run_all(
