@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import mpx
+from mpx.blocks import BlockRecipe
 from mpx.ops import OpClass
 from mpx_jax._autocast_control import ControlFlow
 from mpx_jax._autocast_rules import (
@@ -38,6 +39,7 @@ from mpx_jax._autocast_rules import (
 )
 from mpx_jax._compat import INLINE_CALL_PRIMITIVES, ClosedJaxpr, Literal, name_scopes, param
 from mpx_jax._jaxpr import bind, eqn_context
+from mpx_jax.blocks import block_dot_general
 from mpx_jax.float8 import fp8_dot_general
 
 __all__ = ["FLOAT32_SCOPE", "MIXED_SCOPE", "AutocastError", "AutocastFallbackWarning", "Interpreter"]
@@ -291,6 +293,8 @@ class Interpreter(ControlFlow):
             # quantized from the operands as they arrive (float32 master weights from float32), current
             # scaling (autocast keeps no state), the result in the compute dtype
             dims = param(eqn, "dimension_numbers")
+            if isinstance(self.rules.fp8, BlockRecipe):  # block-scaled, emulated (mpx_jax.blocks)
+                return [block_dot_general(lhs, rhs, dims, self.rules.fp8, out_dtype=compute)]
             return [fp8_dot_general(lhs, rhs, dims, self.rules.fp8, out_dtype=compute)]
         args = [cast(lhs, compute), cast(rhs, compute), *invals[2:]]
         param(eqn, "preferred_element_type")  # the float32 accumulation is asked for through it

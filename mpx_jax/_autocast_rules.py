@@ -22,6 +22,7 @@ import numpy as np
 from jax import lax
 
 import mpx
+from mpx.blocks import BlockRecipe
 from mpx.float8 import Float8Recipe
 from mpx.ops import OpClass, OpTable
 from mpx_jax._compat import INLINE_CALL_PRIMITIVES, ClosedJaxpr, Jaxpr, Literal, function_name, param
@@ -198,7 +199,7 @@ class Rules:
         self.table = table
         self.compute = compute if compute is not None else mpx.numpy_dtype(policy.compute_dtype)
         #: the FP8 recipe of the LOWER dots (None: no FP8 here, as in a nested float32 region)
-        self.fp8: Float8Recipe | None = policy.fp8 if fp8 and mpx.ops.as_op_table(table).fp8_applies("matmul", policy) else None
+        self.fp8: Float8Recipe | BlockRecipe | None = policy.fp8 if fp8 and mpx.ops.as_op_table(table).fp8_applies("matmul", policy) else None
 
     def fp8_dot(self, eqn: Any) -> bool:
         """Whether a LOWER equation runs as an FP8 GEMM: a ``dot_general`` without batch dimensions

@@ -125,6 +125,13 @@ compute dtype is float32 (``float32,fp8=hybrid,fp8_scaling=current``) runs FP8 d
 program.  Under ``jax.vmap`` each mapped slice is quantized with its own amax, as ``fn`` applied to
 that slice alone.
 
+**Block-scaled recipes** (``fp8=mxfp8``, ``fp8=fp8_blockwise``, ``fp4=nvfp4``...,
+:class:`mpx.blocks.BlockRecipe`): the same dot_generals run as :func:`mpx_jax.blocks.block_dot_general`,
+each GEMM's operands quantized and dequantized by the core's kernel along that GEMM's reduction
+dimension (forward, input gradient, weight gradient: the roles and blocks of ``mpx_torch``'s
+``BlockLinear``), then multiplied in float32 (emulated) and the result returned in the compute dtype.
+Block scales are stateless, so they need no ``fp8_scaling``.
+
 The result composes with ``jit``, ``grad`` and ``vmap`` in either order.
 Outputs are not cast to the output dtype: do that
 with :func:`mpx_jax.cast_to_output` where you want it.
@@ -151,7 +158,6 @@ import jax
 import numpy as np
 
 import mpx
-from mpx.blocks import refuse_block_recipe
 from mpx.ops import OpTable
 from mpx.policy import PolicySpec
 from mpx_jax._autocast_interpreter import (
@@ -181,7 +187,8 @@ def autocast(
             numbers, strings or flags, are static: they are baked into the trace).
         policy: an :class:`mpx.Policy` or a spec string; only its compute dtype,
             ``keep_fp32`` and ``fp8`` recipe matter here (overrides name modules, which
-            a function has none of).  An FP8 recipe must use current scaling.
+            a function has none of).  An FP8 recipe must use current scaling; a block
+            recipe (:class:`mpx.blocks.BlockRecipe`) runs as it is.
         op_table: the op classes (default :data:`mpx.OP_TABLE`); change one
             with ``mpx.OP_TABLE.replace(softmax="lower")``.
         strict: raise :class:`AutocastError` when an equation cannot run at
@@ -213,9 +220,7 @@ def autocast(
         )
     if not isinstance(strict, bool):
         raise mpx.MPXError(f"strict: expected True or False, got {type(strict).__name__}")
-    for rule_policy in (pol, *(rule.policy for rule in pol.overrides)):
-        refuse_block_recipe(rule_policy.fp8, "mpx_jax.autocast")
-    if pol.fp8 is not None and pol.fp8.scaling != "current":
+    if isinstance(pol.fp8, mpx.Float8Recipe) and pol.fp8.scaling != "current":
         raise mpx.Float8Error(
             f"policy: mpx_jax.autocast runs FP8 with current scaling only (a function transform keeps "
             f"no per-tensor state), but {str(pol)!r} asks for {pol.fp8.scaling} scaling. Add "

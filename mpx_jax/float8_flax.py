@@ -51,13 +51,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mpx import float8 as core
-from mpx.blocks import refuse_block_recipe
-from mpx.errors import UnsupportedTypeError
+from mpx.blocks import BlockRecipe
+from mpx.errors import StateDictError, UnsupportedTypeError
 from mpx.float8 import ROLES, Float8Error, Float8Recipe, check_model_state, one_recipe, tensor_key
 from mpx.kernels import float8 as kf8
 from mpx.policy import Policy
 from mpx_jax import float8 as f8
 from mpx_jax._array_ops import JAX_OPS
+from mpx_jax.blocks_flax import block_layers
 from mpx_jax.opt_state import get_loss_scale
 
 __all__ = [
@@ -88,8 +89,18 @@ class Float8Amax(nnx.Variable):
 FLOAT8_GRADS = nnx.DiffState(0, nnx.Any(nnx.Param, Float8Amax))
 
 
+def refuse_block(recipe: Any, where: str) -> None:
+    """Raise :class:`Float8Error` for a block recipe given to a per-tensor FP8 layer (``where``)."""
+    if isinstance(recipe, BlockRecipe):
+        raise Float8Error(
+            f"recipe: {where} runs per-tensor FP8 recipes, not the block-scaled "
+            f"{recipe.name or 'custom block recipe'}; use mpx_jax.blocks_flax.BlockLinear (NNX) or "
+            "BlockDense (linen) for block-scaled layers, or mpx_jax.autocast."
+        )
+
+
 def _recipe(recipe: Float8Recipe | Policy) -> Float8Recipe:
-    refuse_block_recipe(recipe.fp8 if isinstance(recipe, Policy) else recipe, "mpx_jax's Flax layers")
+    refuse_block(recipe.fp8 if isinstance(recipe, Policy) else recipe, "Float8Linear")
     if isinstance(recipe, Policy):
         if recipe.fp8 is None:
             raise Float8Error(
@@ -160,6 +171,12 @@ class Float8Linear(nnx.Module):
         if self.bias is not None:
             y = y + self.bias[...].astype(dtype)
         return y
+
+
+def _block_recipe_of(model: nnx.Module) -> BlockRecipe | None:
+    """The one block recipe of ``model``'s BlockLinear layers (None without any)."""
+    recipes = [m.recipe for _, m in block_layers(model)]
+    return one_recipe(recipes, "BlockLinear layers") if recipes else None  # type: ignore[return-value]
 
 
 def float8_layers(model: nnx.Module) -> Iterator[tuple[str, Float8Linear]]:
@@ -241,9 +258,14 @@ def float8_step(optimizer: nnx.Optimizer, model: nnx.Module, grads: Any, /, **kw
 def float8_state_dict(model: nnx.Module) -> dict[str, Any]:
     """The model's FP8 state as one ``mpx.float8/1`` dict: tensors ``"<path>.input"``, ``.weight``, ``.grad``.
 
-    Every :class:`Float8Linear` must share one recipe (the dict has one).
+    Every :class:`Float8Linear` must share one recipe (the dict has one).  A model whose layers are
+    block-scaled (:class:`mpx_jax.blocks_flax.BlockLinear`, one recipe) gets the stateless dict of its
+    block recipe (no tensors), the dict ``mpx_torch`` and ``mpx_keras`` write for theirs.
     """
     layers = list(float8_layers(model))
+    block = _block_recipe_of(model)
+    if block is not None and not layers:
+        return core.state_dict(block, core.Float8State({}))
     if not layers:
         raise Float8Error("model: it has no mpx_jax.float8_flax.Float8Linear, so it has no FP8 state.")
     recipe = one_recipe((m.recipe for _, m in layers), "Float8Linear layers")
@@ -265,6 +287,14 @@ def load_float8_state_dict(model: nnx.Module, state_dict: Any) -> None:
     """
     recipe, state = core.load_state_dict(state_dict)
     layers = list(float8_layers(model))
+    block = _block_recipe_of(model)
+    if isinstance(recipe, BlockRecipe) or (block is not None and not layers):
+        if recipe != block:
+            raise StateDictError(
+                f"recipe: the state dict's recipe ({getattr(recipe, 'name', None) or recipe}) differs from "
+                f"the model's block recipe ({block.name if block is not None else 'none'})."
+            )
+        return
     own = one_recipe((m.recipe for _, m in layers), "Float8Linear layers") if layers else None
     check_model_state(recipe, state, own, [path for path, _ in layers])
     for path, m in layers:

@@ -32,11 +32,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from mpx.blocks import refuse_block_recipe
 from mpx.float8 import ROLES, Float8Recipe
 from mpx.kernels import float8 as kf8
 from mpx_jax import float8 as f8
 from mpx_jax._array_ops import JAX_OPS
+from mpx_jax.float8_flax import refuse_block
 from mpx_jax.opt_state import get_loss_scale
 
 __all__ = ["Float8Dense", "commit_float8", "step_outcome"]
@@ -61,7 +61,7 @@ class Float8Dense(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        refuse_block_recipe(self.recipe, "mpx_jax.float8_linen.Float8Dense")
+        refuse_block(self.recipe, "Float8Dense")
         x = jnp.asarray(x)
         kernel = self.param(
             "kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features), self.param_dtype

@@ -41,7 +41,7 @@ import keras
 import numpy as np
 
 import mpx
-from mpx.blocks import refuse_block_recipe
+from mpx.blocks import BlockRecipe
 from mpx.errors import MPXError, StateDictError, UnsupportedTypeError
 from mpx.float8 import (
     ROLES,
@@ -61,6 +61,7 @@ from mpx_keras import _compat
 from mpx_keras._float8_ops import contraction, fp8_contract
 from mpx_keras._float8_ops import quantize as quantize
 from mpx_keras._layer_kinds import category_of, walk
+from mpx_keras.blocks import block_layers
 
 __all__ = [
     "Float8Dense",
@@ -255,7 +256,7 @@ def convert(
         plain, fp8_class, op = target
         own = root.for_module(path, category_of(layer))
         recipe = own.fp8 if mpx.ops.as_op_table(table).fp8_applies(op, own) else None
-        refuse_block_recipe(recipe, "mpx_keras.apply_policy")
+        recipe = recipe if isinstance(recipe, Float8Recipe) else None  # block recipes: mpx_keras.blocks
         where = path or layer.name
         if recipe is not None and (getattr(layer, "lora_enabled", False) or layer.quantization_mode):
             raise MPXError(f"layer {where!r}: FP8 cannot run on a layer with LoRA or Keras quantization.")
@@ -318,6 +319,12 @@ def float8_layers(model: keras.layers.Layer) -> Iterator[tuple[str, _Float8Layer
             yield path, layer
 
 
+def _block_recipe(model: keras.layers.Layer) -> BlockRecipe | None:
+    """The one block recipe of ``model``'s block-scaled layers (None without any)."""
+    recipes = [layer.block_recipe for _, layer in block_layers(model)]
+    return one_recipe(recipes, "block-scaled layers") if recipes else None  # type: ignore[return-value]
+
+
 def _recipe_of(model: keras.layers.Layer) -> tuple[Float8Recipe, list[tuple[str, _Float8Layer]]]:
     layers = [(path, layer) for path, layer in float8_layers(model)]
     unbuilt = [path or layer.name for path, layer in layers if not layer.built]
@@ -334,9 +341,15 @@ def float8_state_dict(model: keras.layers.Layer) -> dict[str, Any]:
     Tensor names are ``"<layer path>.input"``, ``".weight"`` and ``".grad"``, the names
     ``mpx_torch.float8`` and ``mpx_jax.float8_flax`` use for modules at the same paths.
 
+    A model whose layers are block-scaled (:mod:`mpx_keras.blocks`, one recipe) gets the stateless dict
+    of its block recipe (no tensors), the dict ``mpx_torch`` and ``mpx_jax`` write for theirs.
+
     Raises:
         mpx.StateDictError: when the FP8 layers use different recipes or one is not built.
     """
+    block = _block_recipe(model)
+    if block is not None and not any(True for _ in float8_layers(model)):
+        return _core_state_dict(block, Float8State({}))
     recipe, layers = _recipe_of(model)
     tensors = {}
     for path, layer in layers:
@@ -365,6 +378,14 @@ def load_float8_state_dict(model: keras.layers.Layer, state_dict: Mapping[str, A
         mpx.StateDictError: naming the bad field; nothing changes.
     """
     recipe, state = _core_load(state_dict)
+    block = _block_recipe(model)
+    if isinstance(recipe, BlockRecipe) or (block is not None and not any(True for _ in float8_layers(model))):
+        if recipe != block:
+            raise StateDictError(
+                f"recipe: the state dict's recipe ({getattr(recipe, 'name', None) or recipe}) differs from "
+                f"the model's block recipe ({block.name if block is not None else 'none'})."
+            )
+        return
     own, layers = _recipe_of(model)
     check_model_state(recipe, state, own if layers else None, [path for path, _ in layers])
     for path, layer in layers:

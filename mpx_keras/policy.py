@@ -26,6 +26,7 @@ from mpx_keras import _compat, _user_code
 from mpx_keras._layer_kinds import CATEGORY_LAYERS, NORMALIZATION_LAYERS, category_of, op_of, walk
 from mpx_keras._rule import GLOBAL, Rule, active_global_policy, active_global_rule, check_op_table
 from mpx_keras.autocast import LAYER_TABLE, hold, nested_rule
+from mpx_keras.blocks import convert as block_convert
 from mpx_keras.dtype_policy import NAME_PREFIX, keep_in_config, mpx_name
 from mpx_keras.float8 import convert as float8_convert
 from mpx_keras.layer_policy import LayerPolicy, bind, clear_output
@@ -291,7 +292,11 @@ def apply_policy(
             layer.__dict__.pop(LAYER_TABLE, None)
         else:  # untracked: Keras neither tracks nor saves it
             layer.__dict__[LAYER_TABLE] = table
-    float8_convert(model, p, op_table=table)  # FP8 Dense/EinsumDense where fp8= says (#26)
+    # FP8 Dense/EinsumDense where fp8= names a per-tensor recipe (#26), block-scaled ones where it names a
+    # block recipe (#31); blocks before and after, so a layer can move between the two kinds either way
+    block_convert(model, p, op_table=table)
+    float8_convert(model, p, op_table=table)
+    block_convert(model, p, op_table=table)
     keep_in_config(model)  # a keras-hub Backbone saves them as its DTypePolicyMap (#24)
     # Keras has no forward hooks: each named layer's `call` is wrapped on the instance (its class, config
     # and saved file are untouched), the model's casting its outputs to the output dtype.
