@@ -62,7 +62,7 @@ __all__ = [
     "SCALE_RULES",
     "BlockRecipe",
     "is_block_recipe_dict",
-    "refuse_block_recipe",
+    "refuse_randomized_recipe",
     "storage_bytes",
 ]
 
@@ -278,13 +278,13 @@ def storage_bytes(recipe: BlockRecipe | str, role: str, shape: tuple[int, int], 
     )
 
 
-def refuse_block_recipe(recipe: Any, where: str) -> None:
-    """Raise :class:`Float8Error` when ``recipe`` is a :class:`BlockRecipe` that ``where`` (a backend's
-    entry point, e.g. ``"mpx_jax.autocast"``) does not run yet; nothing otherwise."""
-    if isinstance(recipe, BlockRecipe):
+def refuse_randomized_recipe(recipe: Any, where: str) -> None:
+    """Raise :class:`Float8Error` when ``recipe`` rounds stochastically or applies the Hadamard transform,
+    which ``where`` (a backend's entry point, e.g. ``"mpx_jax.blocks"``) does not run yet; nothing otherwise."""
+    if isinstance(recipe, BlockRecipe) and (recipe.rounding != "nearest" or recipe.hadamard):
         raise Float8Error(
-            f"policy: {where} does not run block-scaled recipes yet ({recipe.name or 'a custom block recipe'}); "
-            "supported here: the per-tensor FP8 recipes (fp8=hybrid or fp8=e4m3 and their keys). "
-            "Block-scaled recipes run on torch (mpx_torch.prepare) and in the core's kernels "
-            "(mpx.kernels.blocks)."
+            f"recipe: {where} does not run stochastic rounding or the Hadamard transform yet "
+            f"({recipe.name or 'a custom block recipe'}: rounding={recipe.rounding!r}, hadamard={recipe.hadamard}); "
+            "use a round-to-nearest recipe without the transform here (mxfp8, mxfp8_rceil, mxfp4, nvfp4, "
+            "fp8_blockwise, fp8_rowwise); torch (mpx_torch.blocks) and the core's kernels run it."
         )

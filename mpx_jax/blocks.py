@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mpx.blocks import BlockRecipe
+from mpx.blocks import BlockRecipe, refuse_randomized_recipe
 from mpx.errors import Float8Error
 from mpx.kernels import blocks as kernel
 from mpx_jax._array_ops import JAX_OPS
@@ -75,7 +75,11 @@ def quantize(x: Any, recipe: BlockRecipe, role: str, axis: int = 1) -> kernel.Bl
         recipe: the :class:`mpx.blocks.BlockRecipe`.
         role: ``"input"``, ``"weight"`` or ``"grad"``.
         axis: the GEMM's reduction axis of ``x`` (0 or 1; default 1).
+
+    Raises:
+        mpx.Float8Error: for a recipe with stochastic rounding or the Hadamard transform (torch only, for now).
     """
+    refuse_randomized_recipe(recipe, "mpx_jax")
     return kernel.quantize(JAX_OPS, jnp.asarray(x), recipe, role, axis)
 
 
@@ -105,6 +109,7 @@ def _check(recipe: Any) -> None:
             f"recipe: expected an mpx.blocks.BlockRecipe (e.g. mpx.blocks.PRESETS['mxfp8']), got "
             f"{type(recipe).__name__}."
         )
+    refuse_randomized_recipe(recipe, "mpx_jax")
 
 
 def block_matmul(x: Any, kernel_: Any, recipe: BlockRecipe, out_dtype: Any = None) -> jax.Array:

@@ -33,7 +33,7 @@ from typing import Any
 import keras
 
 import mpx
-from mpx.blocks import BlockRecipe
+from mpx.blocks import BlockRecipe, refuse_randomized_recipe
 from mpx.errors import Float8Error, MPXError, UnsupportedTypeError
 from mpx.kernels import blocks as kernel
 from mpx.ops import OpTable, as_op_table
@@ -49,13 +49,17 @@ _O = KERAS_ARRAY_OPS
 
 
 def quantize(x: Any, recipe: BlockRecipe, role: str, axis: int = 1) -> kernel.BlockQuantized:
-    """A 2-D tensor quantized by the core's kernel with the ``keras.ops`` table (int32 codes, scales)."""
+    """A 2-D tensor quantized by the core's kernel with the ``keras.ops`` table (int32 codes, scales).
+
+    Raises:
+        mpx.Float8Error: for a recipe with stochastic rounding or the Hadamard transform (torch only, for now).
+    """
+    refuse_randomized_recipe(recipe, "mpx_keras")
     return kernel.quantize(_O, ops.convert_to_tensor(x), recipe, role, axis)
 
 
 def _qdq(x: Any, recipe: BlockRecipe, role: str, axis: int) -> Any:
-    x = ops.stop_gradient(x)
-    return kernel.dequantize(_O, kernel.quantize(_O, x, recipe, role, axis), recipe, role, axis)
+    return kernel.dequantize(_O, quantize(ops.stop_gradient(x), recipe, role, axis), recipe, role, axis)
 
 
 def _poison(y: Any, a: Any, b: Any) -> Any:
