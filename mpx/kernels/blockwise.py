@@ -7,21 +7,25 @@ tensor (the last block padded with zeros):
 * ``absmax`` of a block is ``max(|x|)`` (on the bits: exact); a block whose absmax is below
   :data:`MIN_ABSMAX` (2**-118) is stored as zeros (absmax 0);
 * ``q = round_half_even(x * float32(127 / absmax))``, an int8 in [-127, 127] (a float32 subnormal
-  element counts as zero);
+  element counts as zero), except that a nonzero element whose code would be 0 gets +-1 (its sign):
+  Adam divides by the square root of its second moment, and a small second moment stored as 0 under
+  a nonzero first moment turns the update into ``m / eps`` (measured: 8-bit Adam diverged in
+  ``mpx compare`` before this rule);
 * dequantized, ``x' = q * float32(absmax * float32(1 / 127))``.
 
 Linear (not bitsandbytes' dynamic map) so that every step is a correctly rounded float32 division
 (elementwise, per block: XLA turns a division by a broadcast into a reciprocal product),
 multiplication or addition, the same bits on every table: the threshold keeps every dequantized
 product normal (>= 2**-125), which tables that flush subnormals (XLA:CPU, TensorFlow) compute as
-numpy does (a quantize product that is subnormal rounds to the code 0 either way).  The error of one element is at most ``absmax / 254`` (half a code).
+numpy does (a quantize product that is subnormal is below half a code either way).  The error of one
+element is at most ``absmax / 254`` (half a code), and below ``absmax / 127`` for the elements kept at +-1.
 Finite inputs only (a skipped step never quantizes a non-finite moment).
 
 >>> import numpy as np
 >>> from mpx.kernels.array_ops import NUMPY_OPS as o
->>> q, absmax = quantize(o, np.float32([1.0, -0.5, 0.25, 0.0, 3e-3]), 4)
+>>> q, absmax = quantize(o, np.float32([1.0, -0.5, 0.25, 0.0, 3e-3, 1e-6]), 4)
 >>> q.tolist(), absmax.tolist()
-([[127, -64, 32, 0], [127, 0, 0, 0]], [1.0, 0.003000000026077032])
+([[127, -64, 32, 0], [127, 1, 0, 0]], [1.0, 0.003000000026077032])
 >>> dequantize(o, q, absmax, 5).tolist()[:3]
 [1.0, -0.5039370059967041, 0.25196850299835205]
 """
@@ -52,7 +56,12 @@ def quantize(o: ArrayOps, flat: Any, block: int) -> tuple[Any, Any]:
     x = o.where(o.lt(mag, TINY_BITS), 0.0, x)
     inv = o.div(127.0, o.where(small, 1.0, absmax))  # elementwise: a division by a broadcast is not
     y = o.mul(x, o.reshape(inv, (rows, 1)))  # correctly rounded under XLA (it becomes a reciprocal)
-    code = o.where(o.reshape(small, (rows, 1)), 0, _round_to_int(o, y))
+    code = _round_to_int(o, y)
+    # a nonzero element keeps a nonzero code (+-1): a second moment rounded to 0 under a nonzero first
+    # moment makes Adam's m / (sqrt(v) + eps) about m / eps (mpx compare: 8-bit Adam diverged so)
+    lost = o.logical_and(o.eq(code, 0), o.logical_not(o.lt(mag, TINY_BITS)))
+    code = o.where(lost, o.where(o.lt(to_bits(o, x), 0), -1, 1), code)
+    code = o.where(o.reshape(small, (rows, 1)), 0, code)
     return o.cast(code, "int8"), absmax
 
 
