@@ -1,8 +1,7 @@
 """mpx in Hugging Face Accelerate: ``attach(accelerator, policy)``.
 
 >>> import torch
->>> import torch
-from accelerate import Accelerator
+>>> from accelerate import Accelerator
 >>> from mpx_torch.accelerate import attach
 >>> accelerator = Accelerator(cpu=True)
 >>> scaler = attach(accelerator, "mixed_bfloat16")

@@ -170,7 +170,9 @@ class MPXFSDPPrecision(_FSDP1, MPXPrecision, FSDPPrecision):
 
     def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:  # type: ignore[override]
         """Scale the loss once (``FSDPPrecision`` would scale it again with its own scaler)."""
-        return Precision.pre_backward(self, self.scaler.scale(tensor), module)
+        if self.scaler is not None:
+            tensor = self.scaler.scale(tensor)
+        return Precision.pre_backward(self, tensor, module)
 
 
 class MPXFabricFSDPPrecision(_FSDP1, MPXFabricPrecision, FabricFSDPPrecision):
@@ -194,4 +196,6 @@ class MPXFabricFSDPPrecision(_FSDP1, MPXFabricPrecision, FabricFSDPPrecision):
 
     def backward(self, tensor: torch.Tensor, model: Module | None, *args: Any, **kwargs: Any) -> None:
         """Backward of the loss, scaled once."""
-        FabricPrecision.backward(self, self.scaler.scale(tensor), model, *args, **kwargs)
+        if self.scaler is not None:
+            tensor = self.scaler.scale(tensor)
+        FabricPrecision.backward(self, tensor, model, *args, **kwargs)

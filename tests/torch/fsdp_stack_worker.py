@@ -23,6 +23,11 @@ POLICY = "mixed_bfloat16"
 RESUMED = {"kind": "dynamic", "init_scale": 2.0**3}  # a config the checkpoint's replaces
 
 
+
+def _scale(plugin):
+    """The plugin's loss scale: 1.0 without a scaler (kind "none": the plugin has none, as Lightning's bf16)."""
+    return 1.0 if plugin.scaler is None else plugin.scaler.get_scale()
+
 def _model(seed=0):
     import torch
     from torch import nn
@@ -100,11 +105,11 @@ def _lightning_fit(tmp, *, config=SCALER, clip=None, inject=True, steps=STEPS, c
             seen.setdefault("norms", []).append(float(torch.nn.utils.get_total_norm(grads).full_tensor()))
 
         def on_train_start(self):
-            seen["start_state"] = self.trainer.precision_plugin.scaler.state_dict()
+            seen["start_state"] = self.trainer.precision_plugin.state_dict()
 
         def on_train_batch_end(self, outputs, batch, batch_idx):
             seen["losses"].append(float(outputs["loss"]))
-            seen["scales"].append(self.trainer.precision_plugin.scaler.get_scale())
+            seen["scales"].append(_scale(self.trainer.precision_plugin))
             seen["shards"].append(_shards(self.parameters()))
             seen["opt"].append(_opt_state(self.trainer.optimizers[0]))
 
@@ -135,7 +140,7 @@ def _lightning_fit(tmp, *, config=SCALER, clip=None, inject=True, steps=STEPS, c
         trainer.fit(model, loader, ckpt_path=ckpt_in)
     if ckpt_out is not None:
         trainer.save_checkpoint(ckpt_out)
-        seen["saved_state"] = plugin.scaler.state_dict()
+        seen["saved_state"] = plugin.state_dict()
     seen["fsdp_units"] = sorted(n for n, m in model.named_modules() if isinstance(m, FSDPModule))
     return seen
 
@@ -206,7 +211,7 @@ def _fabric_run(tmp, rank, kind, *, config=SCALER, clip=None, inject=True, steps
         # without calling load_state_dict on it (its single-device strategies do): load it here
         seen["loaded_type"] = type(state["precision"]).__name__
         plugin.load_state_dict(state["precision"])
-        seen["start_state"] = plugin.scaler.state_dict()
+        seen["start_state"] = plugin.state_dict()
     x, y = _data()
     x, y = x[rank::2], y[rank::2]  # each rank its own data
     for i in range(steps):
@@ -221,12 +226,12 @@ def _fabric_run(tmp, rank, kind, *, config=SCALER, clip=None, inject=True, steps
         opt.step()
         opt.zero_grad()
         seen["losses"].append(float(loss.detach()))
-        seen["scales"].append(plugin.scaler.get_scale())
+        seen["scales"].append(_scale(plugin))
         seen["shards"].append(_shards(model.parameters()))
         seen["opt"].append(_opt_state(opt.optimizer))
     if save is not None:
         fabric.save(save, {"model": model, "optimizer": opt, "precision": plugin})
-        seen["saved_state"] = plugin.scaler.state_dict()
+        seen["saved_state"] = plugin.state_dict()
     return seen
 
 
@@ -393,7 +398,7 @@ def _fsdp1_run(rank, *, config=SCALER, inject=True, clip=None, steps=4):
         plugin.optimizer_step(opt)
         opt.zero_grad()
         seen["losses"].append(float(loss.detach()))
-        seen["scales"].append(plugin.scaler.get_scale())
+        seen["scales"].append(_scale(plugin))
         seen["shards"].append(_shards(model.parameters()))
         seen["opt"].append(_opt_state(opt))
     seen["param_dtype"] = str(plugin.mixed_precision_config.param_dtype)

@@ -500,6 +500,14 @@ class KerasAdapter:
         raise Skip(f"mpx_keras adds no engine of its own, so there is nothing to run under mpx: {why}")
 
 
+    def run_models(self, p: dict, mode: str) -> dict:
+        """keras-hub backbones from tiny constructor arguments, Keras's policies against mpx's
+        (:mod:`mpx_tools.models.keras`)."""
+        from mpx_tools.models import keras as models
+
+        return models.observe(p, mode, self)
+
+
 def no_engine(backend: str) -> str:
     """Why Keras 3 on ``backend`` (not jax) has no engine for the distributed cases, read from the install:
     which backends ``keras.distribution`` has an implementation for."""
@@ -509,13 +517,6 @@ def no_engine(backend: str) -> str:
             if importlib.util.find_spec(f"keras.src.backend.{b}.distribution_lib") is not None]  # fmt: skip
     return (f"Keras {keras.__version__} on {backend} has no replica or sharding engine: keras.distribution is "
             f"implemented for {', '.join(have) or 'no backend'} only (keras/src/backend/*/distribution_lib.py)")  # fmt: skip
-
-    def run_models(self, p: dict, mode: str) -> dict:
-        """keras-hub backbones from tiny constructor arguments, Keras's policies against mpx's
-        (:mod:`mpx_tools.models.keras`)."""
-        from mpx_tools.models import keras as models
-
-        return models.observe(p, mode, self)
 
 
 def export(adapter: KerasAdapter, namespace: dict) -> None:
