@@ -250,3 +250,14 @@ def optimizer_member(optimizer: keras.optimizers.Optimizer, name: str) -> Any:
         return getattr(optimizer, name)
     except AttributeError:
         raise missing("keras", f"keras.optimizers.Optimizer.{name}", _used_for(name)) from None
+
+
+def optimizer_variables(optimizer: Any) -> list[Any]:
+    """The model variables a built Keras optimizer updates (Keras's private ``_trainable_variables``)."""
+    return list(_attribute("keras", optimizer, "_trainable_variables", "reading an optimizer's variables (PolicyOptimizer)"))
+
+
+def optimizer_variable_index(optimizer: Any, variable: Any) -> int:
+    """The index of ``variable`` in a built Keras optimizer's slots (Keras's private ``_get_variable_index``)."""
+    index = _attribute("keras", optimizer, "_get_variable_index", "finding an optimizer's slot (PolicyOptimizer)")
+    return int(index(variable))

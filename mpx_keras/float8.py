@@ -321,6 +321,8 @@ def float8_layers(model: keras.layers.Layer) -> Iterator[tuple[str, _Float8Layer
 
 def _block_recipe(model: keras.layers.Layer) -> BlockRecipe | None:
     """The one block recipe of ``model``'s block-scaled layers (None without any)."""
+    if not isinstance(model, keras.layers.Layer):
+        raise UnsupportedTypeError(f"model: expected a Keras model or layer, got {type(model).__name__}.")
     recipes = [layer.block_recipe for _, layer in block_layers(model)]
     return one_recipe(recipes, "block-scaled layers") if recipes else None  # type: ignore[return-value]
 

@@ -45,6 +45,7 @@ from mpx import optim_checkpoint as ckpt
 from mpx.errors import PolicyError, StateDictError, UnsupportedTypeError
 from mpx.kernels import blockwise, rounding
 from mpx.update_policy import int8_block
+from mpx_keras import _compat
 from mpx_keras._array_ops import KERAS_ARRAY_OPS as O
 
 __all__ = ["PolicyOptimizer"]
@@ -194,7 +195,7 @@ class PolicyOptimizer(keras.optimizers.Optimizer):
     def apply(self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None = None) -> None:
         """One step of the wrapped optimizer in float32, written back by the policy's update rule."""
         if trainable_variables is None:
-            trainable_variables = self._trainable_variables
+            trainable_variables = _compat.optimizer_variables(self)
         else:
             trainable_variables = list(trainable_variables)
             if not self.built:
@@ -260,7 +261,7 @@ class PolicyOptimizer(keras.optimizers.Optimizer):
         out = {}
         if self._comp[index] is not None:
             out["kahan_comp"] = self._comp[index]
-        if self._work[index] is not self._trainable_variables[index]:
+        if self._work[index] is not _compat.optimizer_variables(self)[index]:
             out["work"] = self._work[index]
         return out
 
@@ -271,7 +272,7 @@ class PolicyOptimizer(keras.optimizers.Optimizer):
         inner = self.inner_optimizer
         if not self.built:
             raise StateDictError("optimizer: build it first (optimizer.build(model.trainable_variables))")
-        index = [inner._get_variable_index(w) for w in self._work]
+        index = [_compat.optimizer_variable_index(inner, w) for w in self._work]
         if isinstance(inner, keras.optimizers.Adam | keras.optimizers.AdamW):
             if inner.amsgrad:
                 raise UnsupportedTypeError(
@@ -306,7 +307,7 @@ class PolicyOptimizer(keras.optimizers.Optimizer):
         kind, moments, f = self._moments()
         storage = self._storage()
         params = []
-        for i, (v, work) in enumerate(zip(self._trainable_variables, self._work, strict=True)):
+        for i, (v, work) in enumerate(zip(_compat.optimizer_variables(self), self._work, strict=True)):
             entry: dict[str, np.ndarray] = {}
             if self._comp[i] is not None:
                 entry["kahan_comp"] = _host(self._comp[i]).astype(ckpt.BF16)
@@ -336,11 +337,11 @@ class PolicyOptimizer(keras.optimizers.Optimizer):
                 optimizer is not built.
         """
         kind, moments, f = self._moments()
-        shapes = [tuple(int(d) for d in v.shape) for v in self._trainable_variables]
+        shapes = [tuple(int(d) for d in v.shape) for v in _compat.optimizer_variables(self)]
         d = ckpt.check(state_dict, self.policy, shapes, optimizer=kind)
         storage = self._storage()
         for i, (v, work, entry) in enumerate(
-            zip(self._trainable_variables, self._work, d["params"], strict=True)
+            zip(_compat.optimizer_variables(self), self._work, d["params"], strict=True)
         ):
             if self._comp[i] is not None:
                 self._comp[i].assign(ops.cast(entry["kahan_comp"].astype(np.float32), "bfloat16"))

@@ -27,9 +27,13 @@ def _compiler() -> Any:
     """The compiler of Keras's backend for the compiled variant: tf.function or jax.jit (torch runs eagerly:
     one torch.compile takes about 14 s, too slow to repeat for hypothesis)."""
     if BACKEND == "tensorflow":
+        import functools
+
         import tensorflow as tf
 
-        return tf.function
+        # no autograph: the kernels have no Python branch on a traced value, and autograph's conversion
+        # cache handed one kernel's converted code to another here (tf___elements called with 7 arguments)
+        return functools.partial(tf.function, autograph=False)
     import jax
 
     return jax.jit

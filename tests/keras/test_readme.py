@@ -23,5 +23,5 @@ def test_keras_jax_quickstart_runs(python_on):
     line = proc.stdout.strip().splitlines()[-1]
     assert (
         line
-        == "jax [8192.0] ScalerState(scale=8192.0, growth_tracker=1, consecutive_nonfinite=0, steps=4, skipped_steps=3)"
+        == "jax [8192.0] ScalerState(scale=8192.0, growth_tracker=1, consecutive_nonfinite=0, steps=4, skipped_steps=3, nonfinite_since_growth=0)"
     )
