@@ -19,7 +19,7 @@ from torch import nn
 import mpx_torch
 
 transformers = pytest.importorskip("transformers")
-from mpx_tools.models import ACTIVATION_RATIO, MODELS  # noqa: E402
+from mpx_tools.models import ACTIVATION_RATIO, models_of  # noqa: E402
 from mpx_tools.models import torch as MT  # noqa: E402
 
 BF16, F32 = torch.bfloat16, torch.float32
@@ -58,7 +58,7 @@ def _loss_and_grads(model: nn.Module, batch: dict) -> tuple[torch.Tensor, list[t
     return out.logits.detach(), grads
 
 
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", models_of("torch"))
 def test_recompute_is_bit_identical(name):
     model, batch = MT.build(name)
     ours = mpx_torch.prepare(copy.deepcopy(model), "mixed_bfloat16")

@@ -18,7 +18,7 @@ import mpx
 import mpx_torch
 
 transformers = pytest.importorskip("transformers")
-from mpx_tools.models import MODELS  # noqa: E402
+from mpx_tools.models import models_of  # noqa: E402
 from mpx_tools.models import torch as MT  # noqa: E402
 
 BF16, F32 = torch.bfloat16, torch.float32
@@ -112,7 +112,7 @@ def test_peft_lora_and_prepare_compose(order):
 NATIVE_VIOLATIONS = {"gpt2": ["pow"], "llama": [], "bert": ["layer_norm"], "t5": [], "vit": []}
 
 
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", models_of("torch"))
 def test_ops_follow_the_op_table(name):
     model, batch = MT.build(name)
     ours = MT.op_dtypes(MT.runner(model, "mpx"), batch)
@@ -127,7 +127,7 @@ def test_ops_follow_the_op_table(name):
         assert ours["computed"]["pow"] == {"float32": 2} and native["computed"]["pow"] == {"bfloat16": 2}
 
 
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", models_of("torch"))
 def test_compile_fullgraph_gives_native_counts(name):
     model, batch = MT.build(name)
     batch.pop("labels")
@@ -140,7 +140,7 @@ def test_compile_fullgraph_gives_native_counts(name):
     )
 
 
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", models_of("torch"))
 def test_float16_run_skips_the_injected_overflow(name):
     from mpx_tools import models as M
 
@@ -154,7 +154,7 @@ def test_float16_run_skips_the_injected_overflow(name):
     assert MT.overflow_run(name, "native")["scales"] == want  # torch's GradScaler agrees here
 
 
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", models_of("torch"))
 def test_logits_close_to_float32(name):
     ours, native = MT.logits_error(name, "mpx"), MT.logits_error(name, "native")
     assert ours["dtype"] == "float32" and native["dtype"] == "bfloat16"

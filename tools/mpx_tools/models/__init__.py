@@ -32,6 +32,13 @@ COLUMNS: dict[str, dict[str, str]] = {
     "resnet": {"jax": "a Flax linen ResNet (mpx_tools.models.flax.ResNet)"},
 }
 
+
+
+def models_of(column: str) -> tuple[str, ...]:
+    """The models ``column`` runs (``"torch"``: the Hugging Face ones), in report order."""
+    return tuple(m for m in MODELS if column in COLUMNS[m])
+
+
 #: What is observed per model (case id ``models.<model>.<aspect>``).
 ASPECTS = ("ops", "compile", "overflow", "logits", "activations")
 #: The policy of the ops, compile, logits and activations aspects (CPU autocast's native half dtype).
