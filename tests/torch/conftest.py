@@ -69,10 +69,19 @@ def run_example(tmp_path):
         # a file, not -c (torch.multiprocessing.spawn re-imports __main__), named so it shadows no module
         script = tmp_path / f"example_{name.replace('-', '_')}.py"
         script.write_text(example(name))
-        out = subprocess.run(
-            [sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=1800
-        )
-        assert out.returncode == 0, f"{name}:\n{out.stdout}\n{out.stderr}"
+        attempts = 0
+        while True:
+            attempts += 1
+            out = subprocess.run(
+                [sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=1800
+            )
+            # gloo sometimes aborts a spawned rank while its threads shut down, after the example's work and
+            # output ("terminate called without an active exception"; CI saw it at stop 37 and here once in
+            # about ten runs of the DDP example): run it once more then, and only then
+            teardown = "terminate called without an active exception" in out.stderr
+            if out.returncode == 0 or not teardown or attempts == 2:
+                break
+        assert out.returncode == 0, f"{name} (attempt {attempts}):\n{out.stdout}\n{out.stderr}"
         return out.stdout
 
     return run
