@@ -51,6 +51,7 @@ from mpx_keras._step import (
     is_concrete,
     keras_arguments,
 )
+from mpx_keras._wrapper import InnerWrapper
 from mpx_keras.accumulation import Window
 from mpx_keras.history import HistoryBuffer, LossFlag, check_floor_in_step, check_stuck_in_step
 
@@ -68,7 +69,7 @@ _XLA_FLOOR = (
 
 
 @keras.saving.register_keras_serializable(package="mpx_keras")
-class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
+class LossScaleOptimizer(InnerWrapper, keras.optimizers.LossScaleOptimizer):
     """Keras's ``LossScaleOptimizer`` API over mpx's state machine, on any Keras backend.
 
     Args:
@@ -184,16 +185,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self.inner_optimizer.build(var_list)
         keras.optimizers.Optimizer.build(self, var_list)  # not Keras's LSO.build: the state exists already
 
-    @property
-    def variables(self) -> list[keras.Variable]:
-        """This optimizer's state variables, then the inner optimizer's (then, on jax while
-        recording, the history buffer's: the jax trainer threads only these through its step)."""
-        return self._saved_variables() + self._history_variables()
-
-    def _saved_variables(self) -> list[keras.Variable]:
-        return self._variables + self.inner_optimizer.variables
-
-    def _history_variables(self) -> list[keras.Variable]:
+    def _unsaved_variables(self) -> list[keras.Variable]:
+        """On jax while recording, the history buffer's variables (listed last in :attr:`variables`: the jax
+        trainer threads only these through its step); none otherwise."""
         extras = getattr(self, "_mpx_extras", None)
         if extras is None or extras.history is None or keras.config.backend() != "jax":
             return []
@@ -264,21 +258,6 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             g if g is None or overwritten(v) else self._divide(g, scale)
             for g, v in zip(grads, trainable_variables, strict=True)
         ]
-
-    def _build_for(self, trainable_variables: list[Any] | None) -> list[Any]:
-        """Build on the first call; the variables the gradients belong to."""
-        if not self.built:
-            if trainable_variables is None:
-                raise ValueError(
-                    "apply() without trainable_variables needs a built optimizer; pass the variables "
-                    "on the first call or call optimizer.build(model.trainable_variables) first"
-                )
-            with keras.name_scope(self.name, caller=self):
-                self.build(trainable_variables)
-            self.built = True
-        if trainable_variables is not None:
-            return trainable_variables
-        return list(_compat.optimizer_member(self, "_trainable_variables"))
 
     def apply(self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None = None) -> None:
         """Unscale the (scaled) ``grads``, update the scaler state, apply them unless the step is skipped."""
@@ -379,11 +358,6 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     #: How far up the eager stuck check's warning points (the user's apply call).
     _stuck_stacklevel = 5
 
-    def apply_gradients(self, grads_and_vars: Any) -> Any:
-        grads, trainable_variables = zip(*grads_and_vars, strict=True)
-        self.apply(grads, trainable_variables)
-        return self.iterations
-
     def stateless_apply(self, optimizer_variables: Any, grads: Any, trainable_variables: Any) -> Any:
         """The step as a pure function of the variables' values (the jax trainer calls it).
 
@@ -405,7 +379,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         variables = self.variables
         own = self._variables
         inner_vars = list(self.inner_optimizer.variables)
-        extra = self._history_variables()
+        extra = self._unsaved_variables()
         optimizer_variables = list(optimizer_variables)
         trainable_values = list(trainable_variables)
         inner_values = optimizer_variables[len(own) : len(own) + len(inner_vars)]
@@ -552,20 +526,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     # -- serialization ---------------------------------------------------------------------
     def get_config(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
-            "config": self._config.to_dict(),
-        }
-
-    @classmethod
-    def from_config(cls, config: Mapping[str, Any], custom_objects: Any = None) -> LossScaleOptimizer:
-        """An optimizer from mpx's config or from Keras's (``initial_scale``, ``dynamic_growth_steps``)."""
-        config = dict(config)
-        inner = keras.saving.deserialize_keras_object(
-            config.pop("inner_optimizer"), custom_objects=custom_objects
-        )
-        return cls(inner, **config)
+        """``name``, the serialized ``inner_optimizer`` and ``config`` (``from_config`` also reads Keras's
+        ``initial_scale`` and ``dynamic_growth_steps``)."""
+        return {**super().get_config(), "config": self._config.to_dict()}
 
     def __repr__(self) -> str:
         return (

@@ -47,6 +47,7 @@ from mpx.kernels import blockwise, rounding
 from mpx.update_policy import int8_block
 from mpx_keras import _compat
 from mpx_keras._array_ops import KERAS_ARRAY_OPS as O
+from mpx_keras._wrapper import InnerWrapper
 
 __all__ = ["PolicyOptimizer"]
 
@@ -76,7 +77,7 @@ def _narrow(dtype: Any) -> bool:
 
 
 @keras.saving.register_keras_serializable(package="mpx_keras")
-class PolicyOptimizer(keras.optimizers.Optimizer):
+class PolicyOptimizer(InnerWrapper, keras.optimizers.Optimizer):
     """A Keras optimizer stepped under a policy's memory keys (see the module docs).
 
     Args:
@@ -122,24 +123,7 @@ class PolicyOptimizer(keras.optimizers.Optimizer):
         self.seed = seed
         self._block = int8_block(self.policy.opt_state)
 
-    # -- Keras's optimizer API -----------------------------------------------------------------
-    @property
-    def variables(self) -> list[keras.Variable]:
-        """This optimizer's variables (counter, work, compensation, stored state), then the wrapped one's."""
-        return self._variables + self.inner_optimizer.variables
-
-    @property
-    def iterations(self) -> Any:
-        return self.inner_optimizer.iterations
-
-    @property
-    def learning_rate(self) -> Any:
-        return self.inner_optimizer.learning_rate
-
-    @learning_rate.setter
-    def learning_rate(self, learning_rate: Any) -> None:
-        self.inner_optimizer.learning_rate = learning_rate
-
+    # -- Keras's optimizer API (variables, iterations, learning_rate, apply_gradients: InnerWrapper) --------
     def build(self, var_list: Sequence[Any]) -> None:
         pol = self.policy
         var_list = list(var_list)
@@ -194,14 +178,7 @@ class PolicyOptimizer(keras.optimizers.Optimizer):
 
     def apply(self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None = None) -> None:
         """One step of the wrapped optimizer in float32, written back by the policy's update rule."""
-        if trainable_variables is None:
-            trainable_variables = _compat.optimizer_variables(self)
-        else:
-            trainable_variables = list(trainable_variables)
-            if not self.built:
-                with keras.name_scope(self.name, caller=self):
-                    self.build(trainable_variables)
-                self.built = True
+        trainable_variables = self._build_for(None if trainable_variables is None else list(trainable_variables))
         pol = self.policy
         inner_vars = self.inner_optimizer.variables
         for k, stored, absmax in self._stored:  # the stored state, read back in float32
@@ -244,11 +221,6 @@ class PolicyOptimizer(keras.optimizers.Optimizer):
                 stored.assign(q)
                 absmax.assign(a)
         self._policy_steps.assign(ops.add(step, 1))
-
-    def apply_gradients(self, grads_and_vars: Any) -> Any:
-        grads, trainable_variables = zip(*grads_and_vars, strict=True)
-        self.apply(list(grads), list(trainable_variables))
-        return self.iterations
 
     # -- inspection ----------------------------------------------------------------------------
     @property
@@ -367,20 +339,8 @@ class PolicyOptimizer(keras.optimizers.Optimizer):
         self.inner_optimizer.iterations.assign(d["step"])
 
     def get_config(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
-            "policy": str(self.policy),
-            "seed": self.seed,
-        }
-
-    @classmethod
-    def from_config(cls, config: dict[str, Any], custom_objects: Any = None) -> PolicyOptimizer:
-        config = dict(config)
-        inner = keras.saving.deserialize_keras_object(
-            config.pop("inner_optimizer"), custom_objects=custom_objects
-        )
-        return cls(inner, **config)
+        """``name``, the serialized ``inner_optimizer``, ``policy`` (its spec string) and ``seed``."""
+        return {**super().get_config(), "policy": str(self.policy), "seed": self.seed}
 
     def __repr__(self) -> str:
         return (

@@ -272,6 +272,8 @@ def test_bad_input_raises_mpx_errors():
     opt = PolicyOptimizer(keras.optimizers.SGD(), "bf16_kahan")
     with pytest.raises(mpx.PolicyError, match="update: kahan writes bfloat16 master weights"):
         opt.build([keras.Variable(np.ones(3, np.float32))])
+    with pytest.raises(ValueError, match="apply\\(\\) without trainable_variables needs a built optimizer"):
+        PolicyOptimizer(keras.optimizers.SGD(), "bf16_kahan").apply([keras.ops.ones(3, "bfloat16")])
 
 
 def test_config_round_trips():
@@ -279,3 +281,4 @@ def test_config_round_trips():
     again = PolicyOptimizer.from_config(opt.get_config())
     assert again.policy == opt.policy and again.seed == 5
     assert isinstance(again.inner_optimizer, keras.optimizers.AdamW)
+    assert again.name == opt.name and again.learning_rate is again.inner_optimizer.learning_rate
