@@ -77,39 +77,6 @@ def test_neutral_checkpoint_is_the_reference_and_resumes_from_it(case):
     _check_trace(case, k, params2, opt2)
 
 
-@pytest.mark.parametrize(
-    "policy", ["bf16_kahan,opt_state=int8:32", "bf16_sr,opt_state=bf16", "mixed_bfloat16_8bit_adam"]
-)
-def test_neutral_checkpoint_of_adamw_round_trips_and_resumes(policy):
-    x = torch.randn(16, 4, generator=torch.Generator().manual_seed(1))
-
-    def run(model, opt, steps):
-        for _ in range(steps):
-            opt.zero_grad()
-            model(x).float().square().mean().backward()
-            opt.step()
-
-    model = _model(policy)
-    opt = PolicyOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), policy, seed=9)
-    run(model, opt, 2)
-    saved = opt.neutral_state_dict()
-    weights = copy.deepcopy(model.state_dict())
-    run(model, opt, 1)
-    resumed = _model(policy)
-    resumed.load_state_dict(weights)
-    opt2 = PolicyOptimizer(torch.optim.AdamW(resumed.parameters(), lr=1e-2), policy)
-    opt2.load_neutral_state_dict(saved)
-    assert optim_parity.equal_checkpoints(opt2.neutral_state_dict(), saved)
-    run(resumed, opt2, 1)
-    for p, q in zip(model.parameters(), resumed.parameters(), strict=True):
-        assert torch.equal(p, q)
-    assert optim_parity.equal_checkpoints(opt2.neutral_state_dict(), opt.neutral_state_dict())
-    with pytest.raises(mpx.StateDictError, match="policy"):
-        PolicyOptimizer(torch.optim.AdamW(resumed.parameters()), "bfloat16").load_neutral_state_dict(saved)
-    with pytest.raises(mpx.StateDictError, match="optimizer: the checkpoint holds 'adam' state"):
-        PolicyOptimizer(torch.optim.SGD(resumed.parameters(), lr=0.1), policy).load_neutral_state_dict(saved)
-
-
 @settings(max_examples=15, deadline=None)
 @given(optim_parity.traces())
 def test_kahan_sgd_equals_optimis_bit_for_bit(case):
@@ -201,35 +168,68 @@ def test_a_skipped_grad_scaler_step_leaves_everything_bit_identical(policy):
         )
 
 
-@pytest.mark.parametrize(
-    "policy", ["bf16_kahan", "bf16_sr", "bfloat16,opt_state=bf16", "mixed_bfloat16_8bit_adam"]
-)
-def test_a_checkpoint_resumes_bit_for_bit(policy):
-    x = torch.randn(16, 4, generator=torch.Generator().manual_seed(1))
+#: Each checkpoint form's (save, load): torch's state dict (copied, as torch.save would) and the neutral mpx.optim/1.
+CHECKPOINTS = {
+    "torch": (lambda opt: copy.deepcopy(opt.state_dict()), PolicyOptimizer.load_state_dict),
+    "neutral": (PolicyOptimizer.neutral_state_dict, PolicyOptimizer.load_neutral_state_dict),
+}
 
-    def run(model, opt, steps):
+
+def _adamw_run(policy, seed=0, weights=None):
+    """A prepared model (``weights`` loaded), its AdamW PolicyOptimizer, and ``run(steps)`` of a fixed batch."""
+    x = torch.randn(16, 4, generator=torch.Generator().manual_seed(1))
+    model = _model(policy)
+    if weights is not None:
+        model.load_state_dict(weights)
+    opt = PolicyOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), policy, seed=seed)
+
+    def run(steps):
         for _ in range(steps):
             opt.zero_grad()
             model(x).float().square().mean().backward()
             opt.step()
 
-    model = _model(policy)
-    opt = PolicyOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), policy, seed=9)
-    run(model, opt, 2)
-    saved = copy.deepcopy((model.state_dict(), opt.state_dict()))  # as torch.save would
-    run(model, opt, 2)
-    resumed = _model(policy)
-    resumed.load_state_dict(saved[0])
-    opt2 = PolicyOptimizer(torch.optim.AdamW(resumed.parameters(), lr=1e-2), policy)
-    opt2.load_state_dict(saved[1])
+    return model, opt, run
+
+
+@pytest.mark.parametrize(
+    ("form", "policy"),
+    [(form, policy) for form in CHECKPOINTS
+     for policy in ["bf16_kahan", "bf16_sr", "bfloat16,opt_state=bf16", "bf16_sr,opt_state=bf16",
+                    "bf16_kahan,opt_state=int8:32", "mixed_bfloat16_8bit_adam"]],
+)  # fmt: skip
+def test_a_checkpoint_resumes_bit_for_bit(form, policy):
+    """A fresh optimizer that loads either checkpoint form (taken after 2 steps; the neutral one round-trips)
+    continues bit for bit: weights, the wrapped optimizer's state, compensation and stored state, seed, steps."""
+    save, load = CHECKPOINTS[form]
+    model, opt, run = _adamw_run(policy, seed=9)
+    run(2)
+    saved, weights = save(opt), copy.deepcopy(model.state_dict())
+    run(2)
+    resumed, opt2, run2 = _adamw_run(policy, weights=weights)
+    load(opt2, saved)
     assert opt2.seed == 9 and opt2.steps == 2
-    run(resumed, opt2, 2)
+    if form == "neutral":
+        assert optim_parity.equal_checkpoints(opt2.neutral_state_dict(), saved)
+    run2(2)
     for p, q in zip(model.parameters(), resumed.parameters(), strict=True):
         assert torch.equal(p, q)
         for k, v in opt.state[p].items():
             assert opt2.state[q][k].dtype == v.dtype and torch.equal(opt2.state[q][k], v)
         for k, v in opt.state_of(p).items():
             assert opt2.state_of(q)[k].dtype == v.dtype and torch.equal(opt2.state_of(q)[k], v)
+    assert optim_parity.equal_checkpoints(opt2.neutral_state_dict(), opt.neutral_state_dict())
+
+
+def test_a_neutral_checkpoint_of_another_policy_or_optimizer_is_refused():
+    model, opt, run = _adamw_run("bf16_sr,opt_state=bf16")
+    run(1)
+    saved = opt.neutral_state_dict()
+    with pytest.raises(mpx.StateDictError, match="policy"):
+        PolicyOptimizer(torch.optim.AdamW(model.parameters()), "bfloat16").load_neutral_state_dict(saved)
+    sgd = PolicyOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), opt.policy)
+    with pytest.raises(mpx.StateDictError, match="optimizer: the checkpoint holds 'adam' state"):
+        sgd.load_neutral_state_dict(saved)
 
 
 # bytes per parameter of Adam (weights + compensation or master + optimizer state + gradients), from the tensors
