@@ -178,7 +178,9 @@ class PolicyOptimizer(InnerWrapper, keras.optimizers.Optimizer):
 
     def apply(self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None = None) -> None:
         """One step of the wrapped optimizer in float32, written back by the policy's update rule."""
-        trainable_variables = self._build_for(None if trainable_variables is None else list(trainable_variables))
+        if trainable_variables is not None:
+            trainable_variables = list(trainable_variables)
+        trainable_variables = self._build_for(trainable_variables)
         pol = self.policy
         inner_vars = self.inner_optimizer.variables
         for k, stored, absmax in self._stored:  # the stored state, read back in float32
