@@ -29,12 +29,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from mpx import MPXError, OpTable, PolicySpec, StateDictError, UnsupportedTypeError, get_policy
+from mpx import MPXError, OpTable, PolicySpec, StateDictError
 from mpx.blocks import BlockRecipe
 from mpx.kernels import blocks as kernel
-from mpx.ops import as_op_table
 from mpx_torch._array_ops import ops_for
-from mpx_torch._categories import module_category
+from mpx_torch._convert import check_model, linear_recipes, to_linear
 
 __all__ = ["BlockLinear", "block_recipe_of", "convert", "quantize"]
 
@@ -130,6 +129,10 @@ class BlockLinear(nn.Linear):
         return f"{super().extra_repr()}, recipe={name}, gemm={self.block_gemm}"
 
 
+def _revert(module: BlockLinear) -> None:
+    to_linear(module, ("block_recipe", "block_gemm", "block_seed", "block_index", "block_step"))
+
+
 def convert(
     model: nn.Module, policy: PolicySpec, *, op_table: OpTable | None = None, seed: int = 0
 ) -> nn.Module:
@@ -141,26 +144,13 @@ def convert(
     Raises:
         mpx.UnsupportedTypeError: for a ``model`` that is not a ``torch.nn.Module``.
     """
-    if not isinstance(model, nn.Module):
-        raise UnsupportedTypeError(
-            f"model: expected a torch.nn.Module, got {type(model).__name__}; "
-            "mpx_torch.blocks.convert changes a model's nn.Linear modules in place."
-        )
+    check_model(model, "mpx_torch.blocks.convert")
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise MPXError(f"seed: {seed!r} is not allowed; allowed: a Python int")
-    root = get_policy(policy)
-    index = 0
-    for path, sub in model.named_modules():
-        if type(sub) is not nn.Linear and not isinstance(sub, BlockLinear):
-            continue
-        own = root.for_module(path, module_category(sub))
-        recipe = own.fp8 if as_op_table(op_table).fp8_applies("linear", own) else None
-        if not isinstance(recipe, BlockRecipe):
-            if isinstance(sub, BlockLinear):
-                for name in ("block_recipe", "block_gemm", "block_seed", "block_index", "block_step"):
-                    sub.__dict__.pop(name, None)
-                sub.__class__ = nn.Linear
-            continue
+    found = linear_recipes(
+        model, policy, op_table, recipe_type=BlockRecipe, converted=BlockLinear, revert=_revert
+    )
+    for index, (path, sub, recipe) in enumerate(found):
         if sub.weight.dim() != 2:
             raise MPXError(f"module {path!r}: a block-scaled Linear needs a 2-D weight")
         sub.__class__ = BlockLinear
@@ -168,7 +158,6 @@ def convert(
         sub.block_gemm = "emulate"
         sub.block_seed, sub.block_index = seed, index
         sub.__dict__.setdefault("block_step", 0)
-        index += 1
     return model
 
 

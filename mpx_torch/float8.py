@@ -48,17 +48,15 @@ from mpx import (
     PolicySpec,
     StateDictError,
     UnsupportedTypeError,
-    get_policy,
 )
 from mpx.blocks import BlockRecipe
 from mpx.float8 import ROLES, Float8State, TensorScale, check_model_state, one_recipe, tensor_key
 from mpx.float8 import load_state_dict as _core_load
 from mpx.float8 import state_dict as _core_state_dict
 from mpx.kernels import float8 as kernel
-from mpx.ops import as_op_table
 from mpx_torch import _float8_ops, blocks
 from mpx_torch._array_ops import ops_for
-from mpx_torch._categories import module_category
+from mpx_torch._convert import check_model, linear_recipes, to_linear
 from mpx_torch._float8_ops import quantize as quantize
 from mpx_torch._process_group import check_process_group, group_to_agree
 from mpx_torch.grad_scaler import GradScaler
@@ -210,9 +208,7 @@ def _init_state(module: Float8Linear, recipe: Float8Recipe) -> None:
 
 def _revert(module: Float8Linear) -> None:
     _drop_buffers(module)
-    for name in ("fp8_recipe", "fp8_gemm"):
-        module.__dict__.pop(name, None)
-    module.__class__ = nn.Linear
+    to_linear(module, ("fp8_recipe", "fp8_gemm"))
 
 
 def convert(
@@ -246,23 +242,14 @@ def convert(
         mpx.UnsupportedTypeError: for a ``model`` that is not a ``torch.nn.Module``.
         mpx.PolicyError: for a bad policy spec; mpx.MPXError for a bad ``gemm``.
     """
-    if not isinstance(model, nn.Module):
-        raise UnsupportedTypeError(
-            f"model: expected a torch.nn.Module, got {type(model).__name__}; "
-            "mpx_torch.float8.convert changes a model's nn.Linear modules in place."
-        )
+    check_model(model, "mpx_torch.float8.convert")
     if gemm not in GEMMS:
         raise MPXError(f"gemm: {gemm!r} is not allowed; allowed: {', '.join(GEMMS)}")
-    root = get_policy(policy)
-    for path, sub in model.named_modules():
-        if type(sub) is not nn.Linear and not isinstance(sub, Float8Linear):
-            continue
-        own = root.for_module(path, module_category(sub))
-        recipe = own.fp8 if as_op_table(op_table).fp8_applies("linear", own) else None
-        if not isinstance(recipe, Float8Recipe):  # none, or a block recipe (mpx_torch.blocks converts those)
-            if isinstance(sub, Float8Linear):
-                _revert(sub)
-            continue
+    # a module whose recipe is none or a block recipe (mpx_torch.blocks converts those) is reverted
+    found = linear_recipes(
+        model, policy, op_table, recipe_type=Float8Recipe, converted=Float8Linear, revert=_revert
+    )
+    for _, sub, recipe in found:
         if not isinstance(sub, Float8Linear) or sub.fp8_recipe != recipe:
             sub.__class__ = Float8Linear
             _init_state(sub, recipe)  # type: ignore[arg-type]
