@@ -195,9 +195,6 @@ class JaxOps(ArrayOps):
     def get_row(self, rows: Any, index: Any) -> Any:
         return lax.dynamic_index_in_dim(rows, index, axis=0, keepdims=False)
 
-    def row_max(self, x: Any) -> Any:
-        return jnp.max(x, axis=1)
-
     def resize(self, x: Any, n: int) -> Any:
         return jnp.pad(x[:n], (0, max(0, n - x.shape[0])))
 

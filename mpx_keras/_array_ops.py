@@ -222,9 +222,6 @@ class KerasOps(ArrayOps):
         start = [ops.cast(index, "int32"), ops.zeros((), "int32")]
         return ops.slice(rows, start, (1, rows.shape[1]))[0]
 
-    def row_max(self, x: Any) -> Any:
-        return ops.max(x, axis=1)
-
     def resize(self, x: Any, n: int) -> Any:
         return ops.pad(x[:n], [[0, max(0, n - int(x.shape[0]))]])
 

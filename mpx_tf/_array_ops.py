@@ -200,9 +200,6 @@ class TensorFlowOps(ArrayOps):
     def get_row(self, rows: Any, index: Any) -> Any:
         return tf.gather(rows, index)
 
-    def row_max(self, x: Any) -> Any:
-        return tf.reduce_max(x, axis=1)
-
     def resize(self, x: Any, n: int) -> Any:
         x = tf.convert_to_tensor(x)
         return tf.pad(x[:n], [[0, max(0, n - int(x.shape[0]))]])

@@ -243,9 +243,6 @@ class TorchOps(ArrayOps):
     def get_row(self, rows: Any, index: Any) -> Any:
         return torch.index_select(rows, 0, self._tensor(index).reshape(1)).reshape(rows.shape[1:])
 
-    def row_max(self, x: Any) -> Any:
-        return torch.amax(x, dim=1)
-
     def resize(self, x: Any, n: int) -> Any:
         pad = n - x.shape[0]
         return x[:n] if pad <= 0 else torch.cat([x, torch.zeros(pad, dtype=x.dtype, device=x.device)])

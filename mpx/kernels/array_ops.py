@@ -169,7 +169,8 @@ class ArrayOps:
 
     # -- shapes (the block-scaled kernels, :mod:`mpx.kernels.blocks`) -------------------------
     def max_last(self, x: Any) -> Any:
-        """The largest element along the last axis, kept as an axis of length 1 (int32 ``x``)."""
+        """The largest element along the last axis, kept as an axis of length 1 (int32 ``x``; the block-scaled and
+        blockwise int8 kernels' absmax bits)."""
         raise NotImplementedError
 
     def reshape(self, x: Any, shape: tuple[int, ...]) -> Any:
@@ -198,10 +199,6 @@ class ArrayOps:
 
     def get_row(self, rows: Any, index: Any) -> Any:
         """``rows[index]`` of a 2-D array, ``index`` an int32 scalar array."""
-        raise NotImplementedError
-
-    def row_max(self, x: Any) -> Any:
-        """The largest element of each row of the 2-D ``x`` (a 1-D array)."""
         raise NotImplementedError
 
     def resize(self, x: Any, n: int) -> Any:
@@ -377,9 +374,6 @@ class NumpyOps(ArrayOps):
 
     def get_row(self, rows: Any, index: Any) -> Any:
         return np.asarray(rows)[int(index)]
-
-    def row_max(self, x: Any) -> Any:
-        return np.max(np.asarray(x), axis=1)
 
     def resize(self, x: Any, n: int) -> Any:
         x = np.asarray(x)

@@ -50,7 +50,7 @@ def quantize(o: ArrayOps, flat: Any, block: int) -> tuple[Any, Any]:
     rows = max(1, -(-n // block))
     x = o.reshape(o.resize(o.float32(flat), rows * block), (rows, block))
     mag = o.bit_and(to_bits(o, x), 0x7FFFFFFF)
-    absmax = from_bits(o, o.row_max(mag))
+    absmax = from_bits(o, o.reshape(o.max_last(mag), (rows,)))
     small = below(o, absmax, MIN_ABSMAX)
     absmax = o.where(small, 0.0, absmax)
     x = o.where(o.lt(mag, TINY_BITS), 0.0, x)
