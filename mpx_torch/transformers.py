@@ -2,7 +2,8 @@
 
 >>> import torch, transformers
 >>> from mpx_torch.transformers import MPXTrainer
->>> model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, eos_token_id=0))
+>>> config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, bos_token_id=0, eos_token_id=0)
+>>> model = transformers.GPT2LMHeadModel(config)
 >>> args = transformers.TrainingArguments("/tmp/mpx-doctest", use_cpu=True, report_to="none")
 >>> trainer = MPXTrainer(model=model, args=args, policy="mixed_bfloat16")
 >>> trainer.scaler is trainer.accelerator.scaler, trainer.policy.compute_dtype
