@@ -1,8 +1,8 @@
 """Scaler history and stuck detection of :class:`mpx_keras.LossScaleOptimizer`, inside traced steps too.
 
 History (opt-in, ``LossScaleOptimizer.record_history()``): each optimizer step
-writes the state after it (the scale's float32 bits, ``growth_tracker``,
-``consecutive_nonfinite``, the step number) into one row of an int32 ring-buffer
+writes the state after it and its events (the scale's float32 bits, the kernel's event
+bits, ``consecutive_nonfinite``, the step number) into one row of an int32 ring-buffer
 variable (:class:`HistoryBuffer`), by the core's ring kernel
 (:func:`mpx.kernels.ring.record`, with the optimizer's table) inside the step: eagerly,
 inside ``tf.function``, ``torch.compile`` and the jax trainer's jitted
@@ -76,14 +76,15 @@ class HistoryBuffer:
         """The buffer's two variables (rows, then the count of rows written)."""
         return [self.rows, self.recorded]
 
-    def record(self, o: ArrayOps, state: Any, when: Any = None) -> None:
-        """Write the state after this step (a :class:`mpx.kernels.scale.ScaleState` of tensors) into the next
-        row, by :func:`mpx.kernels.ring.record` with the table ``o``.
+    def record(self, o: ArrayOps, state: Any, events: Any, when: Any = None) -> None:
+        """Write the state after this step (a :class:`mpx.kernels.scale.ScaleState` of tensors) and the step's
+        ``events`` (:func:`mpx.kernels.scale.events`) into the next row, by :func:`mpx.kernels.ring.record`
+        with the table ``o``.
 
         ``when``: a bool scalar tensor; when given, the row is written only where it is
         True (an accumulation window's last micro-batch), without a branch.
         """
-        row = ring.row(o, state.scale, state.growth_tracker, state.consecutive_nonfinite, state.steps)
+        row = ring.row(o, state.scale, events, state.consecutive_nonfinite, state.steps)
         rows, recorded = ring.record(o, self.rows.value, self.recorded.value, row, when)
         self.rows.assign(rows)
         self.recorded.assign(recorded)

@@ -330,11 +330,13 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         new = self._next_state([v.value for v in state], finite)
         cfg = self._config
         hit = scale_kernel.floor_hit(self._array_ops, cfg, state[0].value, new) if cfg.on_floor == "raise" else None
+        extras = self._mpx_extras
+        if extras.history is not None:  # from the tracker before the step: read before the assignments
+            events = scale_kernel.events(self._array_ops, cfg, state[1].value, new)
         for var, value in zip(state, new[: len(state)], strict=True):
             var.assign(value)
-        extras = self._mpx_extras
         if extras.history is not None:
-            extras.history.record(self._array_ops, new)
+            extras.history.record(self._array_ops, new, events)
         if hit is not None:  # on_floor="raise": where the stuck check runs, after the step
             if is_concrete(finite):
                 mpx.check_floor(cfg, *(ops.convert_to_numpy(t) for t in (hit, new.steps, new.scale)))
@@ -451,7 +453,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             for var, value in zip(self._state_variables(), new[: len(state)], strict=True):
                 var.assign(value)
             if self._mpx_extras.history is not None:
-                self._mpx_extras.history.record(self._array_ops, new, when=last)
+                events = scale_kernel.events(self._array_ops, cfg, state[1], new)
+                self._mpx_extras.history.record(self._array_ops, new, events, when=last)
             new_own = [scope.get_current_value(v) for v in own]
             new_extra = [scope.get_current_value(v) for v in extra]
         if cfg.max_consecutive_skips is not None:
