@@ -52,19 +52,11 @@ from mpx_keras._step import (
     keras_arguments,
 )
 from mpx_keras.accumulation import Window
-from mpx_keras.history import HistoryBuffer, LossFlag, check_floor_in_step, check_stuck_in_step
+from mpx_keras.history import FloorMark, HistoryBuffer, LossFlag, check_floor_in_step, check_stuck_in_step
 
 __all__ = ["INNER_ONLY", "LossScaleOptimizer", "keras_arguments"]
 
 ops = keras.ops
-
-
-#: Why ``on_floor="raise"`` is refused in a step XLA compiles on TensorFlow.
-_XLA_FLOOR = (
-    "on_floor='raise': a step XLA compiles on TensorFlow (jit_compile=True) cannot call the host, and the "
-    "floor check needs the scale before the step; compile with jit_compile=False, or use on_floor='keep' "
-    "with max_consecutive_skips"
-)
 
 
 @keras.saving.register_keras_serializable(package="mpx_keras")
@@ -340,8 +332,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         if hit is not None:  # on_floor="raise": where the stuck check runs, after the step
             if is_concrete(finite):
                 mpx.check_floor(cfg, *(ops.convert_to_numpy(t) for t in (hit, new.steps, new.scale)))
-            elif _compat.in_xla_context():
-                raise MPXError(_XLA_FLOOR)
+            elif _compat.in_xla_context():  # XLA cannot call the host: check_stuck() raises, after the step
+                extras.floor.mark(hit, new.steps, new.scale)
             else:
                 check_floor_in_step(cfg, hit, new.steps, new.scale, None)
         if self._config.max_consecutive_skips is None:
@@ -362,13 +354,17 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
         Every step checks itself (:mod:`mpx_keras.history`) except one compiled by XLA on
         TensorFlow (``jit_compile=True``), which cannot call the host: for those this
-        method runs :func:`mpx.check_stuck` (once per optimizer step), and
-        :class:`mpx_keras.LossScaleMonitor` calls it after each batch.  Otherwise it does nothing.
+        method runs :func:`mpx.check_stuck` (once per optimizer step) and raises the floor error such a step
+        marked (:class:`mpx_keras.history.FloorMark`), and :class:`mpx_keras.LossScaleMonitor` calls it after
+        each batch.  Otherwise it does nothing.
 
         Raises:
             ScalerStuckError: in raise mode, when the scaler is stuck.
+            ScalerFloorError: ``on_floor="raise"``: a jit_compile step's back-off was due at ``min_scale``.
         """
         extras = self._mpx_extras
+        if extras.floor is not None:
+            extras.floor.check(self._config)
         if not extras.unchecked or self._config.max_consecutive_skips is None:
             return
         state = self.state
@@ -584,6 +580,7 @@ class _Extras:
     def __init__(self, config: mpx.ScalerConfig) -> None:
         self.history: HistoryBuffer | None = None
         self.loss_flag: LossFlag | None = None
+        self.floor: FloorMark | None = None  # on_floor="raise" on TensorFlow: a jit_compile step marks, check_stuck raises
         self.loss: Any = None
         self.unchecked = False  # a step was traced where it cannot check itself (XLA on TensorFlow)
         self.checked_at = -1  # the step count check_stuck() last checked
@@ -597,3 +594,5 @@ class _Extras:
             and keras.config.backend() == "tensorflow"
         ):
             self.loss_flag = LossFlag()
+        if config.on_floor == "raise" and self.floor is None and keras.config.backend() == "tensorflow":
+            self.floor = FloorMark()
