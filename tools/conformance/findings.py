@@ -242,9 +242,9 @@ def _classify(r: dict, params: dict) -> tuple[str, str, str]:
         if r["case"] == "portability.saves_neutral_format":
             return "API or format gap", "medium", "saves"
         return "API or format gap", "medium", "resume"
-    if group in ("fp8", "blocks", "deepspeed") and isinstance(obs, dict):  # issues 26, 31, 32: named by
-        topic = importlib.import_module(f"conformance.{group}.cases")  # conformance/GROUP/cases.py
-        return getattr(topic, f"{group}_topic")(r["case"], params, exp, obs)
+    if group in ("fp8", "blocks", "deepspeed") and isinstance(obs, dict):  # issues 26, 31, 32: each group's
+        cases = importlib.import_module(f"conformance.{group}.cases")  # own GROUP_topic names its divergences
+        return getattr(cases, f"{group}_topic")(r["case"], params, exp, obs)
     return "default differs", "low", f"other:{group}"
 
 
