@@ -1,15 +1,18 @@
 """Scaler history: the loss scale and the state machine's events per step, framework-neutral.
 
-Every backend records, per step and on its device, the state after the step
-(the float32 scale, ``growth_tracker`` and ``consecutive_nonfinite``) and reads
-them back in one transfer; :meth:`ScalerHistory.from_states` turns those into
-the per-step events, so the events have one definition, here:
+Every backend records, per step and on its device, the float32 scale after the step
+and the step's events as the kernel's transition decides them
+(:func:`mpx.kernels.scale.events`, the conditions :func:`mpx.kernels.scale.update`
+selects on), and reads them back in one transfer, so the events have one definition,
+the kernel's, in every mode of the scaler (DeepSpeed's ``hysteresis_reset="growth"``
+and ``first_growth_delay`` too):
 
 * ``skipped``: the step's update was skipped (non-finite, with ``skip_nonfinite``);
-* ``growth``: a growth step of a dynamic scaler (the ``growth_interval``-th
-  finite step in a row), even when ``max_scale`` keeps the scale where it was;
-* ``backoff``: a backoff step of a dynamic scaler (``hysteresis`` non-finite
-  steps in a row reached), even when ``min_scale`` keeps the scale where it was.
+* ``growth``: a growth step of a dynamic scaler (the ``growth_interval``-th finite
+  step in a row, ``+ first_growth_delay`` after an overflow or the start), even when
+  ``max_scale`` keeps the scale where it was;
+* ``backoff``: a backoff step of a dynamic scaler (its hysteresis spent), even when
+  ``min_scale`` keeps the scale where it was.
 
 ``steps`` are the state's step numbers (1 for the first step after a fresh
 state).  The JSON file (:meth:`save`, :meth:`load`) is :meth:`to_dict`::
@@ -36,6 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from mpx.errors import MPXError
+from mpx.kernels import scale as _scale
+from mpx.kernels.array_ops import NUMPY_OPS
 from mpx.scaling import COUNTER_MAX, ScalerConfig, ScalerState, f32, scaler_init, scaler_update
 
 __all__ = ["HISTORY_FORMAT", "HistoryError", "ScalerHistory"]
@@ -43,6 +48,19 @@ __all__ = ["HISTORY_FORMAT", "HistoryError", "ScalerHistory"]
 #: The ``format`` tag of a scaler history dict / JSON file.
 HISTORY_FORMAT = "mpx.scaler_history/1"
 _SERIES = ("steps", "scale", "skipped", "growth", "backoff")
+
+
+_STATE_COUNTERS = ("growth_tracker", "consecutive_nonfinite", "steps", "skipped_steps", "nonfinite_since_growth")
+
+
+def decode_events(bits: int) -> tuple[bool, bool, bool]:
+    """(skipped, growth, backoff) of the kernel's event bits (:data:`mpx.kernels.scale.SKIPPED` ...)."""
+    return bool(bits & _scale.SKIPPED), bool(bits & _scale.GROWTH), bool(bits & _scale.BACKOFF)
+
+
+def encode_events(skipped: bool, growth: bool, backoff: bool) -> int:
+    """The kernel's event bits of (skipped, growth, backoff): :func:`decode_events`'s inverse."""
+    return _scale.SKIPPED * skipped + _scale.GROWTH * growth + _scale.BACKOFF * backoff
 
 
 class HistoryError(MPXError):
@@ -72,32 +90,26 @@ class ScalerHistory:
 
     # -- building --------------------------------------------------------------
     @staticmethod
-    def events(config: ScalerConfig, after: ScalerState) -> tuple[bool, bool, bool]:
-        """(skipped, growth, backoff) of the step that produced ``after`` (pure; from the state alone)."""
-        finite = after.consecutive_nonfinite == 0
-        dynamic = config.kind == "dynamic"
-        skipped = (not finite) and bool(config.skip_nonfinite)
-        growth = dynamic and finite and after.growth_tracker == 0
-        backoff = dynamic and (not finite) and after.consecutive_nonfinite >= config.hysteresis
-        return skipped, growth, backoff
+    def events(config: ScalerConfig, before: ScalerState, after: ScalerState) -> tuple[bool, bool, bool]:
+        """(skipped, growth, backoff) of the step from ``before`` to ``after`` (pure):
+        :func:`mpx.kernels.scale.events` with the numpy table."""
+        o = NUMPY_OPS
+        new = _scale.ScaleState(o.float32(after.scale), *(o.int32(getattr(after, k)) for k in _STATE_COUNTERS))
+        return decode_events(int(_scale.events(o, config, o.int32(before.growth_tracker), new)))
 
     @classmethod
-    def from_states(
-        cls, config: ScalerConfig, steps: int | Sequence[int], scales: Sequence[float], trackers: Sequence[int],
-        consecutive: Sequence[int],
-    ) -> ScalerHistory:  # fmt: skip
-        """A history from the states after each step (what backends record).
+    def from_events(
+        cls, config: ScalerConfig, steps: int | Sequence[int], scales: Sequence[float], events: Sequence[int]
+    ) -> ScalerHistory:
+        """A history from the scale after each step and the step's event bits (:func:`mpx.kernels.scale.events`).
 
         ``steps``: the step numbers, or the first one (then ``steps, steps + 1, ...``).
         """
         if isinstance(steps, int):
             steps = [min(steps + i, COUNTER_MAX) for i in range(len(scales))]
-        if not (len(steps) == len(scales) == len(trackers) == len(consecutive)):
-            raise HistoryError("history: steps, scales, trackers and consecutive must have the same length")
-        rows = [
-            cls.events(config, ScalerState(float(s), int(t), int(c)))
-            for s, t, c in zip(scales, trackers, consecutive, strict=True)
-        ]
+        if not (len(steps) == len(scales) == len(events)):
+            raise HistoryError("history: steps, scales and events must have the same length")
+        rows = [decode_events(int(e)) for e in events]
         return cls(
             config,
             steps=[int(x) for x in steps],
@@ -111,8 +123,9 @@ class ScalerHistory:
     def from_rows(cls, config: ScalerConfig, rows: Any, recorded: int) -> ScalerHistory:
         """A history from a backend's ring buffer of recorded rows (the one row layout every backend uses).
 
-        ``rows``: an integer array of shape ``(capacity, 4)``, one row per step:
-        ``[float32 bits of the scale, growth_tracker, consecutive_nonfinite, steps]``
+        ``rows``: an integer array of shape ``(capacity, 4)``, one row per step
+        (:data:`mpx.kernels.ring.ROW_FIELDS`): ``[float32 bits of the scale, the step's event bits,
+        consecutive_nonfinite, steps]``
         (the scale's bits in the low 32 bits, read as a signed or unsigned int).
         ``recorded``: how many rows were ever written; row ``i`` went to slot
         ``i % capacity``, so when ``recorded > capacity`` the oldest rows were
@@ -120,8 +133,9 @@ class ScalerHistory:
 
         >>> import numpy as np
         >>> bits = int(np.float32(65536.0).view(np.int32))
-        >>> ScalerHistory.from_rows(ScalerConfig(), np.array([[bits, 1, 0, 1], [0, 0, 0, 0]]), 1).scale
-        [65536.0]
+        >>> h = ScalerHistory.from_rows(ScalerConfig(), np.array([[bits, 2, 0, 1], [0, 0, 0, 0]]), 1)
+        >>> h.scale, h.growth
+        ([65536.0], [True])
         """
         import numpy as np
 
@@ -135,7 +149,7 @@ class ScalerHistory:
             table = np.concatenate([table[start:], table[:start]])
         table = table[:n]
         scales = (table[:, 0] & 0xFFFFFFFF).astype(np.uint32).view(np.float32).tolist()
-        return cls.from_states(config, table[:, 3].tolist(), scales, table[:, 1].tolist(), table[:, 2].tolist())
+        return cls.from_events(config, table[:, 3].tolist(), scales, table[:, 1].tolist())
 
     @classmethod
     def reference(
@@ -144,13 +158,12 @@ class ScalerHistory:
         """The history :func:`mpx.scaler_update` produces for the finite ``flags``, from ``state`` (default fresh)."""
         s = scaler_init(config) if state is None else state
         first = s.steps + 1
-        scales, trackers, consecutive = [], [], []
+        scales, events = [], []
         for finite in flags:
-            s = scaler_update(config, s, finite)
+            before, s = s, scaler_update(config, s, finite)
             scales.append(s.scale)
-            trackers.append(s.growth_tracker)
-            consecutive.append(s.consecutive_nonfinite)
-        return cls.from_states(config, first, scales, trackers, consecutive)
+            events.append(encode_events(*cls.events(config, before, s)))
+        return cls.from_events(config, first, scales, events)
 
     def extend(self, other: ScalerHistory) -> ScalerHistory:
         """This history followed by ``other`` (a new object)."""

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from mpx.errors import MPXError
-from mpx.history import ScalerHistory
+from mpx.history import ScalerHistory, encode_events
 from mpx.kernels import ring as _ring
 from mpx.kernels.array_ops import NUMPY_OPS
 from mpx.scaling import (
@@ -76,7 +76,8 @@ class LossScaler:
         self._state = s = scaler_update(self._config, previous, finite)
         if self._history is not None:
             o = NUMPY_OPS
-            row = _ring.row(o, np.float32(s.scale), s.growth_tracker, s.consecutive_nonfinite, s.steps)
+            events = encode_events(*ScalerHistory.events(self._config, previous, s))
+            row = _ring.row(o, np.float32(s.scale), events, s.consecutive_nonfinite, s.steps)
             self._history = _ring.record(o, *self._history, row)
         if self._config.on_floor == "raise":  # mpx.stuck: after the step, as every backend
             check_floor(self._config, floor_hit(self._config, previous, s), s.steps, s.scale)
@@ -84,7 +85,7 @@ class LossScaler:
 
     def last_step_skipped(self) -> bool:
         """Whether the last :meth:`update` skipped its step (False before the first)."""
-        return ScalerHistory.events(self._config, self._state)[0]
+        return ScalerHistory.events(self._config, self._state, self._state)[0]  # skipped: from the state after
 
     def record_history(self, enabled: bool = True, *, capacity: int = 65536) -> None:
         """Start (or with False stop) recording the state after each :meth:`update` (the last ``capacity``

@@ -174,6 +174,15 @@ def check_history(adapter: ScalerAdapter) -> None:
     config = ScalerConfig(growth_interval=2, init_scale=16.0)
     flags = [True, True, False, True, True, True]
     assert adapter.history(config, flags) == ScalerHistory.reference(config, flags)
+    # DeepSpeed's mode: growth on the 3rd clean step (window 2 + 1), hysteresis 2 refilled only by a growth,
+    # so the overflow at step 6 backs off though a clean step came between (DeepSpeed's own trace)
+    ds = ScalerConfig(**{**SCALER_PRESETS["deepspeed_fp16"].to_dict(), "init_scale": 16.0, "growth_interval": 2})
+    flags = [True, True, True, False, True, False, True, True, True]
+    h = adapter.history(ds, flags)
+    assert h == ScalerHistory.reference(ds, flags)
+    assert h.scale == [16.0, 16.0, 32.0, 32.0, 32.0, 16.0, 16.0, 16.0, 32.0]
+    assert [i + 1 for i, g in enumerate(h.growth) if g] == [3, 9]
+    assert [i + 1 for i, b in enumerate(h.backoff) if b] == [6] and [i + 1 for i, s in enumerate(h.skipped) if s] == [4, 6]
 
 
 def check_skip_flag(adapter: ScalerAdapter) -> None:

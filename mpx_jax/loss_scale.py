@@ -202,7 +202,8 @@ class LossScale:
             floor_callback(cfg, kscale.floor_hit(o, cfg, state.scale, new), new.steps, new.scale)
         rows, count = self.history_rows, self.history_count
         if rows is not None:
-            row = kring.row(o, new.scale, new.growth_tracker, new.consecutive_nonfinite, new.steps)
+            events = kscale.events(o, cfg, state.growth_tracker, new)
+            row = kring.row(o, new.scale, events, new.consecutive_nonfinite, new.steps)
             rows, count = kring.record(o, rows, count, row)
         return dataclasses.replace(
             self, **dict(zip((*STATE_FIELDS, *GROWTH_FIELDS), new, strict=True)), history_rows=rows,

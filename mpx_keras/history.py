@@ -1,8 +1,8 @@
 """Scaler history and stuck detection of :class:`mpx_keras.LossScaleOptimizer`, inside traced steps too.
 
 History (opt-in, ``LossScaleOptimizer.record_history()``): each optimizer step
-writes the state after it (the scale's float32 bits, ``growth_tracker``,
-``consecutive_nonfinite``, the step number) into one row of an int32 ring-buffer
+writes the state after it and its events (the scale's float32 bits, the kernel's event
+bits, ``consecutive_nonfinite``, the step number) into one row of an int32 ring-buffer
 variable (:class:`HistoryBuffer`), by the core's ring kernel
 (:func:`mpx.kernels.ring.record`, with the optimizer's table) inside the step: eagerly,
 inside ``tf.function``, ``torch.compile`` and the jax trainer's jitted
@@ -45,7 +45,7 @@ import numpy as np
 import mpx
 from mpx.kernels import ArrayOps, ring
 
-__all__ = ["HistoryBuffer", "LossFlag", "check_floor_in_step", "check_stuck_in_step"]
+__all__ = ["FloorMark", "HistoryBuffer", "LossFlag", "check_floor_in_step", "check_stuck_in_step"]
 
 ops = keras.ops
 
@@ -76,14 +76,15 @@ class HistoryBuffer:
         """The buffer's two variables (rows, then the count of rows written)."""
         return [self.rows, self.recorded]
 
-    def record(self, o: ArrayOps, state: Any, when: Any = None) -> None:
-        """Write the state after this step (a :class:`mpx.kernels.scale.ScaleState` of tensors) into the next
-        row, by :func:`mpx.kernels.ring.record` with the table ``o``.
+    def record(self, o: ArrayOps, state: Any, events: Any, when: Any = None) -> None:
+        """Write the state after this step (a :class:`mpx.kernels.scale.ScaleState` of tensors) and the step's
+        ``events`` (:func:`mpx.kernels.scale.events`) into the next row, by :func:`mpx.kernels.ring.record`
+        with the table ``o``.
 
         ``when``: a bool scalar tensor; when given, the row is written only where it is
         True (an accumulation window's last micro-batch), without a branch.
         """
-        row = ring.row(o, state.scale, state.growth_tracker, state.consecutive_nonfinite, state.steps)
+        row = ring.row(o, state.scale, events, state.consecutive_nonfinite, state.steps)
         rows, recorded = ring.record(o, self.rows.value, self.recorded.value, row, when)
         self.rows.assign(rows)
         self.recorded.assign(recorded)
@@ -173,3 +174,30 @@ def check_floor_in_step(config: mpx.ScalerConfig, hit: Any, steps: Any, scale: A
         jax.debug.callback(body, hit, steps, scale)
     else:
         body(*(ops.convert_to_numpy(t) for t in (hit, steps, scale)))
+
+
+class FloorMark:
+    """``on_floor="raise"`` in a step XLA compiles on TensorFlow (``jit_compile=True``), which cannot call the
+    host: the step writes the first step number whose back-off was due at the floor (and the scale) into two
+    variables, and :meth:`check`, on the host after the step (``LossScaleOptimizer.check_stuck()``, which
+    :class:`mpx_keras.LossScaleMonitor` calls after each batch), raises :class:`mpx.ScalerFloorError` for it,
+    the message every backend raises, naming that step.  The step itself was skipped and the scale kept at
+    ``min_scale``, as everywhere; only the raise comes later: at the first host check after the step."""
+
+    def __init__(self) -> None:
+        self.step = _variable(np.int32(0), "int32", "mpx_floor_step")
+        self.scale = _variable(np.float32(0.0), "float32", "mpx_floor_scale")
+
+    def mark(self, hit: Any, steps: Any, scale: Any) -> None:
+        """Inside the step: keep ``steps`` and ``scale`` where ``hit`` (a bool tensor) and no step is marked yet."""
+        first = ops.logical_and(ops.convert_to_tensor(hit), ops.equal(self.step.value, 0))
+        self.step.assign(ops.where(first, ops.cast(steps, "int32"), self.step.value))
+        self.scale.assign(ops.where(first, ops.cast(scale, "float32"), self.scale.value))
+
+    def check(self, config: mpx.ScalerConfig) -> None:
+        """On the host: raise :class:`mpx.ScalerFloorError` for the marked step (clearing the mark), if any."""
+        step = int(ops.convert_to_numpy(self.step.value))
+        if step:
+            scale = float(ops.convert_to_numpy(self.scale.value))
+            self.step.assign(0)
+            mpx.check_floor(config, True, step, scale)

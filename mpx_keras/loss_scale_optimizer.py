@@ -53,19 +53,11 @@ from mpx_keras._step import (
 )
 from mpx_keras._wrapper import InnerWrapper
 from mpx_keras.accumulation import Window
-from mpx_keras.history import HistoryBuffer, LossFlag, check_floor_in_step, check_stuck_in_step
+from mpx_keras.history import FloorMark, HistoryBuffer, LossFlag, check_floor_in_step, check_stuck_in_step
 
 __all__ = ["INNER_ONLY", "LossScaleOptimizer", "keras_arguments"]
 
 ops = keras.ops
-
-
-#: Why ``on_floor="raise"`` is refused in a step XLA compiles on TensorFlow.
-_XLA_FLOOR = (
-    "on_floor='raise': a step XLA compiles on TensorFlow (jit_compile=True) cannot call the host, and the "
-    "floor check needs the scale before the step; compile with jit_compile=False, or use on_floor='keep' "
-    "with max_consecutive_skips"
-)
 
 
 @keras.saving.register_keras_serializable(package="mpx_keras")
@@ -309,16 +301,18 @@ class LossScaleOptimizer(InnerWrapper, keras.optimizers.LossScaleOptimizer):
         new = self._next_state([v.value for v in state], finite)
         cfg = self._config
         hit = scale_kernel.floor_hit(self._array_ops, cfg, state[0].value, new) if cfg.on_floor == "raise" else None
+        extras = self._mpx_extras
+        if extras.history is not None:  # from the tracker before the step: read before the assignments
+            events = scale_kernel.events(self._array_ops, cfg, state[1].value, new)
         for var, value in zip(state, new[: len(state)], strict=True):
             var.assign(value)
-        extras = self._mpx_extras
         if extras.history is not None:
-            extras.history.record(self._array_ops, new)
+            extras.history.record(self._array_ops, new, events)
         if hit is not None:  # on_floor="raise": where the stuck check runs, after the step
             if is_concrete(finite):
                 mpx.check_floor(cfg, *(ops.convert_to_numpy(t) for t in (hit, new.steps, new.scale)))
-            elif _compat.in_xla_context():
-                raise MPXError(_XLA_FLOOR)
+            elif _compat.in_xla_context():  # XLA cannot call the host: check_stuck() raises, after the step
+                extras.floor.mark(hit, new.steps, new.scale)
             else:
                 check_floor_in_step(cfg, hit, new.steps, new.scale, None)
         if self._config.max_consecutive_skips is None:
@@ -339,13 +333,17 @@ class LossScaleOptimizer(InnerWrapper, keras.optimizers.LossScaleOptimizer):
 
         Every step checks itself (:mod:`mpx_keras.history`) except one compiled by XLA on
         TensorFlow (``jit_compile=True``), which cannot call the host: for those this
-        method runs :func:`mpx.check_stuck` (once per optimizer step), and
-        :class:`mpx_keras.LossScaleMonitor` calls it after each batch.  Otherwise it does nothing.
+        method runs :func:`mpx.check_stuck` (once per optimizer step) and raises the floor error such a step
+        marked (:class:`mpx_keras.history.FloorMark`), and :class:`mpx_keras.LossScaleMonitor` calls it after
+        each batch.  Otherwise it does nothing.
 
         Raises:
             ScalerStuckError: in raise mode, when the scaler is stuck.
+            ScalerFloorError: ``on_floor="raise"``: a jit_compile step's back-off was due at ``min_scale``.
         """
         extras = self._mpx_extras
+        if extras.floor is not None:
+            extras.floor.check(self._config)
         if not extras.unchecked or self._config.max_consecutive_skips is None:
             return
         state = self.state
@@ -425,7 +423,8 @@ class LossScaleOptimizer(InnerWrapper, keras.optimizers.LossScaleOptimizer):
             for var, value in zip(self._state_variables(), new[: len(state)], strict=True):
                 var.assign(value)
             if self._mpx_extras.history is not None:
-                self._mpx_extras.history.record(self._array_ops, new, when=last)
+                events = scale_kernel.events(self._array_ops, cfg, state[1], new)
+                self._mpx_extras.history.record(self._array_ops, new, events, when=last)
             new_own = [scope.get_current_value(v) for v in own]
             new_extra = [scope.get_current_value(v) for v in extra]
         if cfg.max_consecutive_skips is not None:
@@ -544,6 +543,7 @@ class _Extras:
     def __init__(self, config: mpx.ScalerConfig) -> None:
         self.history: HistoryBuffer | None = None
         self.loss_flag: LossFlag | None = None
+        self.floor: FloorMark | None = None  # on_floor="raise" on TensorFlow: a jit_compile step marks, check_stuck raises
         self.loss: Any = None
         self.unchecked = False  # a step was traced where it cannot check itself (XLA on TensorFlow)
         self.checked_at = -1  # the step count check_stuck() last checked
@@ -557,3 +557,5 @@ class _Extras:
             and keras.config.backend() == "tensorflow"
         ):
             self.loss_flag = LossFlag()
+        if config.on_floor == "raise" and self.floor is None and keras.config.backend() == "tensorflow":
+            self.floor = FloorMark()

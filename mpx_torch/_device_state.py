@@ -40,6 +40,7 @@ class DeviceState:
         self.nonfinite_since_growth = self._full(state.nonfinite_since_growth, torch.int32)
         #: :func:`mpx.kernels.scale.floor_hit` of the last step (a bool tensor), kept with ``on_floor="raise"``
         self.floor_hit: Any = False
+        self.tracker_before: Any = None  # advance(keep_tracker=True): the growth tracker before the step
         self.updates = state.steps
 
     def _full(self, value: Any, dtype: torch.dtype) -> torch.Tensor:
@@ -71,12 +72,16 @@ class DeviceState:
         return ScalerState(float(scale), *(int(c) for c in counters))
 
     @torch.no_grad()
-    def advance(self, found_inf: torch.Tensor) -> None:
+    def advance(self, found_inf: torch.Tensor, keep_tracker: bool = False) -> None:
         """One step of :func:`mpx.scaler_update` for a step whose combined flag is ``found_inf``
-        (a float32 scalar; nonzero: not finite, as torch's kernel reads it).  No host sync."""
+        (a float32 scalar; nonzero: not finite, as torch's kernel reads it).  No host sync.
+        ``keep_tracker``: keep the growth tracker before the step in ``tracker_before`` (what the
+        step's history events are computed from)."""
         if found_inf.dim():
             found_inf = found_inf.reshape(())
         before = self.tensors()
+        if keep_tracker:
+            self.tracker_before = before.growth_tracker.clone()
         after = kernel.update(self.ops, self.config, before, torch.eq(found_inf, 0))
         if self.config.on_floor == "raise":  # before the in-place copies overwrite the old scale
             self.floor_hit = kernel.floor_hit(self.ops, self.config, before.scale.clone(), after)

@@ -363,11 +363,11 @@ class GradScaler(torch.amp.GradScaler):
                 combined = agree_found_inf(found_infs, tensors.device, group)
             else:
                 combined = found_infs[0] if len(found_infs) == 1 else torch.stack(found_infs).sum()
-            tensors.advance(combined)
+            tensors.advance(combined, keep_tracker=self._history is not None)
             if self._history is not None:
                 if not isinstance(self._history, HistoryBuffer):
                     self._history = HistoryBuffer(self._history, tensors.device)
-                self._history.record(tensors.tensors())
+                self._history.record(self._config, tensors.tracker_before, tensors.tensors())
             if self._config.max_consecutive_skips is not None:
                 loss_finite, self._loss_finite = self._loss_finite, None
                 check_stuck_after(self._config, tensors, loss_finite)

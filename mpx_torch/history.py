@@ -1,8 +1,8 @@
 """Scaler history and stuck detection for :class:`mpx_torch.GradScaler`, plus the TensorBoard hook.
 
 History (opt-in, ``GradScaler.record_history()``): each :meth:`GradScaler.update`
-writes the state after the step (the scale's float32 bits, ``growth_tracker``,
-``consecutive_nonfinite``, ``steps``) into one int32 row of the core's ring buffer
+writes the state after the step and the step's events (the scale's float32 bits, the
+kernel's event bits, ``consecutive_nonfinite``, ``steps``) into one int32 row of the core's ring buffer
 (:mod:`mpx.kernels.ring`, run with the torch table) on the scaler's device, with tensor
 ops only (no host sync, nothing a compiled step guards on: the scaler's methods run
 eagerly); :meth:`GradScaler.history` reads the buffer and :meth:`mpx.ScalerHistory.from_rows`
@@ -24,6 +24,7 @@ import torch
 from mpx.errors import MPXError
 from mpx.history import ScalerHistory
 from mpx.kernels import ring
+from mpx.kernels import scale as scale_kernel
 from mpx.kernels.ring import ROW_FIELDS, check_capacity
 from mpx.kernels.scale import ScaleState
 from mpx.scaling import ScalerConfig
@@ -44,9 +45,11 @@ class HistoryBuffer:
         self.recorded = torch.zeros((), dtype=torch.int32, device=device)
 
     @torch.no_grad()
-    def record(self, state: ScaleState) -> None:
-        """Write the state after this step into the next row (device ops only; the rows in place)."""
-        row = ring.row(self.ops, state.scale, state.growth_tracker, state.consecutive_nonfinite, state.steps)
+    def record(self, config: ScalerConfig, tracker_before: torch.Tensor, state: ScaleState) -> None:
+        """Write the state after this step and the step's events (:func:`mpx.kernels.scale.events`, from the
+        growth tracker before it) into the next row (device ops only; the rows in place)."""
+        events = scale_kernel.events(self.ops, config, tracker_before, state)
+        row = ring.row(self.ops, state.scale, events, state.consecutive_nonfinite, state.steps)
         self.rows, self.recorded = ring.record(self.ops, self.rows, self.recorded, row)
 
     def read(self, config: ScalerConfig) -> ScalerHistory:

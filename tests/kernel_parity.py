@@ -203,11 +203,12 @@ def _scale_trace(o: ArrayOps, config: mpx.ScalerConfig, flags: Any) -> Any:
     state = ks.initial(o, config)
     outs = []
     for i in range(flags.shape[0]):
-        before = state.scale
+        before, tracker = state.scale, state.growth_tracker
         state = ks.update(o, config, state, flags[i])
         outs.extend(state)
         hit = ks.floor_hit(o, config, before, state)
         outs.append(o.cast(hit, "int32") if hit is not False else o.int32(0))
+        outs.append(ks.events(o, config, tracker, state))  # the history's event bits
     return tuple(outs)
 
 

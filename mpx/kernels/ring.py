@@ -1,9 +1,9 @@
 """The scaler-history ring buffer, once for every backend.
 
-A recording scaler keeps the last ``capacity`` states in an int32 ``(capacity, 4)`` array,
-one :func:`row` per step (:data:`ROW_FIELDS`: the scale's float32 bits, ``growth_tracker``,
-``consecutive_nonfinite``, ``steps``) and a count of rows ever written; row ``i`` goes to
-slot ``i % capacity``.  :func:`record` writes one row on device (inside a compiled step
+A recording scaler keeps the last ``capacity`` steps in an int32 ``(capacity, 4)`` array,
+one :func:`row` per step (:data:`ROW_FIELDS`: the scale's float32 bits after the step, the
+step's ``events`` as :func:`mpx.kernels.scale.events` gives them, ``consecutive_nonfinite``,
+``steps``) and a count of rows ever written; row ``i`` goes to slot ``i % capacity``.  :func:`record` writes one row on device (inside a compiled step
 too: no host read); :meth:`mpx.ScalerHistory.from_rows` decodes the buffer on the host.
 
 >>> import numpy as np
@@ -27,7 +27,7 @@ from mpx.kernels.scale import COUNTER_MAX, bump
 __all__ = ["ROW_FIELDS", "check_capacity", "record", "row"]
 
 #: What each column of a history row holds.
-ROW_FIELDS = ("scale_bits", "growth_tracker", "consecutive_nonfinite", "steps")
+ROW_FIELDS = ("scale_bits", "events", "consecutive_nonfinite", "steps")
 
 
 def check_capacity(capacity: Any) -> int:
@@ -41,11 +41,10 @@ def check_capacity(capacity: Any) -> int:
     return capacity
 
 
-def row(o: ArrayOps, scale: Any, growth_tracker: Any, consecutive_nonfinite: Any, steps: Any) -> Any:
-    """One history row, int32 ``(4,)``, from the state after a step."""
-    return o.stack(
-        [to_bits(o, scale), o.int32(growth_tracker), o.int32(consecutive_nonfinite), o.int32(steps)]
-    )
+def row(o: ArrayOps, scale: Any, events: Any, consecutive_nonfinite: Any, steps: Any) -> Any:
+    """One history row, int32 ``(4,)``: the state after a step and the step's ``events`` (the
+    int32 bits :func:`mpx.kernels.scale.events` returns)."""
+    return o.stack([to_bits(o, scale), o.int32(events), o.int32(consecutive_nonfinite), o.int32(steps)])
 
 
 def record(o: ArrayOps, rows: Any, recorded: Any, new_row: Any, when: Any = None) -> tuple[Any, Any]:

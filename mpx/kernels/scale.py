@@ -27,10 +27,14 @@ from mpx.kernels.array_ops import ArrayOps
 from mpx.kernels.bits import INF_BITS, TINY_BITS, bits_of, from_bits, to_bits
 
 __all__ = [
+    "BACKOFF",
     "COUNTER_MAX",
+    "GROWTH",
+    "SKIPPED",
     "ScaleState",
     "ScalerRule",
     "bump",
+    "events",
     "floor_hit",
     "initial",
     "product_bits",
@@ -40,6 +44,8 @@ __all__ = [
 
 #: The largest value of every counter: int32's max, which every backend holds.
 COUNTER_MAX = 2**31 - 1
+#: The bits of a step's events (:func:`events`): skipped, a growth step, a back-off step.
+SKIPPED, GROWTH, BACKOFF = 1, 2, 4
 
 
 class FactorLimbs(Protocol):
@@ -198,9 +204,31 @@ def _step_product_bits(o: ArrayOps, config: ScalerRule, scale: Any, finite: Any)
     return product_bits(o, to_bits(o, scale), _Limbs(limbs, pick(grow.exponent, back.exponent)))  # type: ignore[arg-type]
 
 
-def _hysteresis_count(config: ScalerRule, state: ScaleState) -> Any:
-    """The count a back-off waits on: non-finite steps in a row (``"finite"``) or since the last growth."""
-    return state.nonfinite_since_growth if config.hysteresis_reset == "growth" else state.consecutive_nonfinite
+def _growth_due(o: ArrayOps, config: ScalerRule, tracker: Any) -> Any:
+    """Whether a finite step after ``tracker`` (the growth tracker before it) is a growth step."""
+    return o.eq(o.add(tracker, 1), config.growth_interval + config.first_growth_delay)
+
+
+def _backoff_due(o: ArrayOps, config: ScalerRule, consecutive: Any, since: Any) -> Any:
+    """Whether a non-finite step leaving these counts (non-finite steps in a row, and since the last
+    growth) is a back-off step, its hysteresis spent; a Python True for a hysteresis of 1."""
+    if config.hysteresis <= 1:
+        return True
+    return o.le(config.hysteresis, since if config.hysteresis_reset == "growth" else consecutive)
+
+
+def events(o: ArrayOps, config: ScalerRule, tracker_before: Any, new: ScaleState) -> Any:
+    """The events of the step that took the growth tracker from ``tracker_before`` to ``new``'s state, as
+    an int32 of :data:`SKIPPED` | :data:`GROWTH` | :data:`BACKOFF` bits: the conditions :func:`update`
+    selects on (a growth or back-off step counts even where a bound keeps the scale)."""
+    nonfinite = o.lt(0, new.consecutive_nonfinite)
+    out = o.cast(nonfinite, "int32") if config.skip_nonfinite else o.int32(0)  # SKIPPED: bit 0
+    if config.kind == "dynamic":
+        grew = o.logical_and(o.logical_not(nonfinite), _growth_due(o, config, tracker_before))
+        due = _backoff_due(o, config, new.consecutive_nonfinite, new.nonfinite_since_growth)
+        backed = nonfinite if due is True else o.logical_and(nonfinite, due)
+        out = o.bit_or(out, o.bit_or(o.shl(o.cast(grew, "int32"), 1), o.shl(o.cast(backed, "int32"), 2)))
+    return out
 
 
 def update(o: ArrayOps, config: ScalerRule, state: ScaleState, finite: Any) -> ScaleState:
@@ -232,12 +260,11 @@ def update(o: ArrayOps, config: ScalerRule, state: ScaleState, finite: Any) -> S
         grown = o.where(o.lt(product, INF_BITS), grown, sbits)  # a growth to inf keeps the scale
         backed = o.maximum(product, bits_of(lo))
         counted = o.add(tracker, 1)
-        hit = o.eq(counted, config.growth_interval + delay)
+        hit = _growth_due(o, config, tracker)
         if config.hysteresis_reset == "growth":
             since = bump(o, since, o.logical_not(finite))
         if config.hysteresis > 1:  # else every non-finite step backs off
-            count = since if config.hysteresis_reset == "growth" else consecutive
-            backed = o.where(o.le(config.hysteresis, count), backed, sbits)
+            backed = o.where(_backoff_due(o, config, consecutive, since), backed, sbits)
         scale = from_bits(o, o.where(finite, o.where(hit, grown, sbits), backed))
         tracker = o.where(finite, o.where(hit, delay, counted), 0)
         if config.hysteresis_reset == "growth":
@@ -257,5 +284,5 @@ def floor_hit(o: ArrayOps, config: ScalerRule, old_scale: Any, new: ScaleState) 
         return False
     due = o.lt(0, new.consecutive_nonfinite)
     if config.hysteresis > 1:
-        due = o.logical_and(due, o.le(config.hysteresis, _hysteresis_count(config, new)))
+        due = o.logical_and(due, _backoff_due(o, config, new.consecutive_nonfinite, new.nonfinite_since_growth))
     return o.logical_and(due, o.le(to_bits(o, old_scale), bits_of(config.bounds[0])))

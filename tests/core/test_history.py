@@ -3,6 +3,7 @@ tool's command: tests/bench/test_cli_tools.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 from pathlib import Path
@@ -12,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mpx
-from mpx.history import ScalerHistory
+from mpx.history import ScalerHistory, decode_events, encode_events
 from mpx.scaling import COUNTER_MAX, ScalerConfig
 from mpx.stuck import is_stuck, signal_stuck, stuck_message
 
@@ -149,7 +150,8 @@ def test_from_rows_reads_the_ring_buffer_in_step_order(capacity):
         for f in flags[: i + 1]:
             state = mpx.scaler_update(config, state, f)
         bits = int(np.float32(scale).view(np.int32))
-        rows[i % capacity] = [bits, state.growth_tracker, state.consecutive_nonfinite, step]
+        events = encode_events(ref.skipped[i], ref.growth[i], ref.backoff[i])
+        rows[i % capacity] = [bits, events, state.consecutive_nonfinite, step]
     got = ScalerHistory.from_rows(config, rows, len(flags))
     keep = min(capacity, len(flags))
     assert got.steps == ref.steps[-keep:]
@@ -162,3 +164,60 @@ def test_from_rows_refuses_another_layout():
 
     with pytest.raises(mpx.HistoryError, match=r"shape \(capacity, 4\)"):
         ScalerHistory.from_rows(ScalerConfig(), np.zeros((4, 3), np.int64), 1)
+
+
+def _deepspeed_events(window: int, hysteresis: int, consecutive: bool, overflows: list[bool]) -> tuple[list, list]:
+    """DeepSpeed's DynamicLossScaler.update_scale (deepspeed 0.19.8) as plain Python, no raise at the floor:
+    per step whether it grew and whether it backed off (or would have, at the floor)."""
+    cur_iter, last_overflow, cur_hysteresis = 0, -1, hysteresis
+    growth, backoff = [], []
+    for overflow in overflows:
+        grew = backed = False
+        if overflow:
+            if hysteresis == 1 or cur_hysteresis == 1:
+                backed = True
+            else:
+                cur_hysteresis -= 1
+            last_overflow = cur_iter
+        else:
+            if consecutive:
+                cur_hysteresis = hysteresis
+            stable = cur_iter - last_overflow - 1
+            if stable > 0 and stable % window == 0:
+                cur_hysteresis, grew = hysteresis, True
+        cur_iter += 1
+        growth.append(grew)
+        backoff.append(backed)
+    return growth, backoff
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    overflows=st.lists(st.sampled_from([False] * 3 + [True]), max_size=50),
+    window=st.integers(1, 4),
+    hysteresis=st.integers(1, 3),
+    consecutive=st.booleans(),
+)
+def test_events_under_the_deepspeed_preset_are_deepspeeds(overflows, window, hysteresis, consecutive) -> None:
+    """The events come from the kernel's transition: growth on the (window+1)-th clean step, then every window,
+    and back-offs when DeepSpeed's hysteresis is spent (refilled only by a growth unless consecutive), even at
+    the floor; the old inference from the state alone (growth where the tracker is 0, back-off after
+    ``hysteresis`` overflows in a row) gets both wrong in this mode."""
+    cfg = mpx.ScalerConfig(**{**mpx.SCALER_PRESETS["deepspeed_fp16"].to_dict(), "init_scale": 4.0,
+                              "growth_interval": window, "hysteresis": hysteresis,
+                              "hysteresis_reset": "finite" if consecutive else "growth"})  # fmt: skip
+    flags = [not o for o in overflows]
+    h = mpx.ScalerHistory.reference(cfg, flags)
+    growth, backoff = _deepspeed_events(window, hysteresis, consecutive, overflows)
+    assert h.growth == growth and h.backoff == backoff and h.skipped == overflows
+    scaler = mpx.LossScaler(dataclasses.replace(cfg, on_floor="keep"))  # the core's scaler records the same
+    scaler.record_history()
+    for finite in flags:
+        scaler.update(finite)
+    if flags:
+        assert scaler.history() == mpx.ScalerHistory.reference(dataclasses.replace(cfg, on_floor="keep"), flags)
+
+
+def test_event_bits_round_trip() -> None:
+    for bits in range(8):
+        assert encode_events(*decode_events(bits)) == bits

@@ -27,14 +27,11 @@ class CoreAdapter:
         return scaler
 
     def history(self, config, flags):
-        scaler, states = mpx.LossScaler(config), []
+        scaler = mpx.LossScaler(config)
+        scaler.record_history()
         for finite in flags:
             scaler.update(finite)
-            states.append(scaler.state)
-        return mpx.ScalerHistory.from_states(
-            config, 1, [s.scale for s in states], [s.growth_tracker for s in states],
-            [s.consecutive_nonfinite for s in states],
-        )  # fmt: skip
+        return scaler.history()
 
 
 # The core's LossScaler predates the surface: its ``scale`` is the float property DESIGN.md names.

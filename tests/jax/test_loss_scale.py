@@ -1,5 +1,6 @@
 import json
 import pickle
+import re
 
 import jax
 import jax.numpy as jnp
@@ -333,3 +334,14 @@ def test_random_factor_histories_match_the_reference(init, gf, bf, flags):
     for i, finite in enumerate(flags):
         state = mpx.scaler_update(config, state, finite)
         assert int(f32_bits(trace.loss_scale[i])) == int(f32_bits(state.scale)), (i, config)
+
+
+def test_the_floor_raise_under_jit_names_the_step():
+    """on_floor="raise" inside a jitted update: the callback raises in the step (no delay, unlike XLA on
+    TensorFlow), re-raised by JAX as a JaxRuntimeError holding the core's message for step 3."""
+    cfg = mpx.ScalerConfig(**{**mpx.SCALER_PRESETS["deepspeed_fp16"].to_dict(), "init_scale": 2.0, "hysteresis": 1})
+    step = jax.jit(lambda s, f: s.update(f))
+    ls = step(step(LossScale.create(cfg), jnp.bool_(True)), jnp.bool_(False))
+    assert ls.get_scale() == 1.0
+    with pytest.raises(Exception, match=re.escape("step 3 overflowed with the scale at min_scale (1)")):
+        jax.block_until_ready(step(ls, jnp.bool_(False)).loss_scale)

@@ -179,3 +179,29 @@ def test_check_model_and_the_monitor_on_a_float16_model_without_scaling():
     assert mpx_keras.check_model(m).ok and mpx_keras.check_model(m).loss_scaling is True
     m.compile(optimizer=mpx_keras.LossScaleOptimizer(keras.optimizers.SGD(), "mixed_bfloat16"), loss="mse")
     assert mpx_keras.check_model(m).loss_scaling is False  # kind none scales nothing
+
+
+# -- the floor raise (on_floor="raise", DeepSpeed's mode) ---------------------------------------------------
+#: from scale 2, hysteresis 1: the overflow at step 2 halves to min_scale 1, the one at step 3 is due at the floor
+FLOOR = mpx.ScalerConfig(**{**mpx.SCALER_PRESETS["deepspeed_fp16"].to_dict(), "init_scale": 2.0, "hysteresis": 1,
+                            "growth_interval": 4})  # fmt: skip
+FLOOR_FLAGS = [True, False, False, True, True]
+
+
+@JIT
+def test_the_floor_raises_in_a_compiled_fit_naming_the_step(jit_compile):
+    """Every backend raises the core's message for step 3; a step XLA compiles on TensorFlow cannot call the
+    host, so it marks the step and the monitor raises mpx.ScalerFloorError right after that batch."""
+    with pytest.raises(Exception, match=re.escape("step 3 overflowed with the scale at min_scale (1)")) as info:
+        fitted(FLOOR, FLOOR_FLAGS, jit_compile, callbacks=host_point(jit_compile))
+    if jit_compile and BACKEND == "tensorflow":
+        assert isinstance(info.value, mpx.ScalerFloorError)
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="XLA on TensorFlow only")
+def test_an_xla_step_marks_the_floor_and_check_stuck_raises_it_once():
+    _, opt, _ = fitted(FLOOR, FLOOR_FLAGS, True)  # no monitor: the steps go on, skipped and at the floor
+    assert opt.state.steps == 5 and opt.get_scale() == 1.0 and opt.history().skipped == [False, True, True, False, False]
+    with pytest.raises(mpx.ScalerFloorError, match=re.escape("step 3 overflowed")):
+        opt.check_stuck()
+    opt.check_stuck()  # raised once: the mark is cleared

@@ -14,7 +14,7 @@ from typing import Any
 __all__ = ["KERAS_COLUMNS", "TRACE_GROUPS", "keras_traces", "keras_traces_line"]
 
 #: groups whose results carry a scale trace (one value per optimizer step) to align and plot
-TRACE_GROUPS = ("scaler", "portability", "distributed", "accumulation")
+TRACE_GROUPS = ("scaler", "portability", "distributed", "accumulation", "deepspeed")
 #: The Keras 3 columns (Keras on TensorFlow, JAX, PyTorch): under mpx their scale traces are the core's, bit for bit.
 KERAS_COLUMNS = ("tf", "keras-jax", "keras-torch")
 

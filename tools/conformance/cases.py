@@ -34,6 +34,7 @@ GROUPS = (
     "models",
     "fp8",
     "blocks",
+    "deepspeed",
 )
 
 POLICY_SPECS = (
@@ -288,7 +289,7 @@ def portability_cases() -> list[Case]:
 
 def all_cases() -> list[Case]:
     return (policy_cases() + op_cases() + scaler_cases() + stuck_cases() + skip_cases() + numeric_cases()
-            + portability_cases() + distributed_cases() + accumulation_cases() + model_cases() + fp8_cases() + blocks_cases())  # fmt: skip
+            + portability_cases() + distributed_cases() + accumulation_cases() + model_cases() + fp8_cases() + blocks_cases() + deepspeed_cases())  # fmt: skip
 
 
 def fp8_cases() -> list[Case]:
@@ -301,6 +302,13 @@ def fp8_cases() -> list[Case]:
 def blocks_cases() -> list[Case]:
     """The ``blocks`` group (issue 31): block-scaled quantized bytes and scales (conformance/blocks/cases.py)."""
     from conformance.blocks.cases import blocks_cases as cases
+
+    return cases()
+
+
+def deepspeed_cases() -> list[Case]:
+    """The ``deepspeed`` group (issue 32): DeepSpeed's own loss scalers (conformance/deepspeed/cases.py)."""
+    from conformance.deepspeed.cases import deepspeed_cases as cases
 
     return cases()
 

@@ -23,6 +23,7 @@ notice), ``low`` (costs speed or convenience, not accuracy).
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import json
 from collections import defaultdict
@@ -66,7 +67,8 @@ SEVERITY_HELP = {
 NATIVE = {
     "torch": "torch.autocast (CPU) and torch.amp.GradScaler, with their defaults; DDP and FSDP2 (fully_shard "
     "with a MixedPrecisionPolicy) on gloo; accumulation as scale(loss).backward() k times, then step/update; "
-    "FP8: torchao's emulated float8 training (dynamic tensorwise scaling)",
+    "FP8: torchao's emulated float8 training (dynamic tensorwise scaling); the deepspeed group: deepspeed's "
+    "DynamicLossScaler and non-ZeRO FP16_Optimizer",
     "tf": "Keras 3 dtype policies (keras.mixed_precision) and keras.optimizers.LossScaleOptimizer, under "
     "MirroredStrategy for replicas and with the inner optimizer's gradient_accumulation_steps; "
     "FP8: Keras's quantize(\"float8\") Dense",
@@ -240,14 +242,9 @@ def _classify(r: dict, params: dict) -> tuple[str, str, str]:
         if r["case"] == "portability.saves_neutral_format":
             return "API or format gap", "medium", "saves"
         return "API or format gap", "medium", "resume"
-    if group == "fp8" and isinstance(obs, dict):  # issue 26: named by conformance/fp8/cases.py
-        from conformance.fp8.cases import fp8_topic
-
-        return fp8_topic(r["case"], params, exp, obs)
-    if group == "blocks" and isinstance(obs, dict):  # issue 31: named by conformance/blocks/cases.py
-        from conformance.blocks.cases import blocks_topic
-
-        return blocks_topic(r["case"], params, exp, obs)
+    if group in ("fp8", "blocks", "deepspeed") and isinstance(obs, dict):  # issues 26, 31, 32: each group's
+        cases = importlib.import_module(f"conformance.{group}.cases")  # own GROUP_topic names its divergences
+        return getattr(cases, f"{group}_topic")(r["case"], params, exp, obs)
     return "default differs", "low", f"other:{group}"
 
 
@@ -269,6 +266,7 @@ SUBJECTS: dict[str, dict[str, str]] = {
     "blocks": {"torch": "torchao's mx_formats and rowwise float8 (emulated)",
                "jax": "JAX's block quantizer (jax.nn.scaled_dot_general)", "tf": "Keras (TensorFlow)",
                "keras-jax": "Keras on JAX", "keras-torch": "Keras on PyTorch"},
+    "deepspeed": {"torch": "DeepSpeed's loss scalers"},
 }
 
 #: What a scale-trace cause means for training, the second half of a ``trace`` finding's explanation.
@@ -424,6 +422,7 @@ TEXTS: dict[str, tuple[str, str, str]] = {
     "fp8-matmul": ("fp8", "{name}: the FP8 GEMM differs ({causes}): {some_cases}", "{fp8_effects}"),
     "blocks-quantize": ("blocks", "{name}: block-scaled bytes differ ({causes}): {some_cases}", "{block_effects}"),
     "blocks-missing": ("blocks", "{name}: no native block-scaled format: {some_cases}", "{block_effects}"),
+    "deepspeed-trace": ("deepspeed", "{deepspeed[0]}", "{deepspeed[1]}"),  # conformance/deepspeed/cases.py
     "other": (
         "framework",
         "{name}: {count} other divergences in {group}",
@@ -521,6 +520,11 @@ class _Fields(dict):
 
         cause = self.topic.split(":")[1].split("+")[0] if ":" in self.topic else "missing"
         return BLOCK_EFFECTS.get(cause, cause)
+
+    def _deepspeed(self) -> tuple[str, str]:
+        from conformance.deepspeed.cases import finding_text
+
+        return finding_text(self.topic, [r["case"] for r in self.rows])
 
     def _keys(self) -> str:
         return _list(sorted((self.rows[0].get("observed") or {}).get("state_dict", {}) or {}), 4)

@@ -129,6 +129,7 @@ def traces_svg(backend: str, traces: list[tuple[str, list[float], list[float] | 
         if at is not None and native and at < len(native):
             cx, cy = xy(at, native[at]).split(",")
             out.append(f"<circle cx='{cx}' cy='{cy}' r='4.5' fill='none' stroke='{COLORS['tolerance']}' stroke-width='2'>"
-                       f"<title>step {at + 1}: spec {spec[at]:g}, native {native[at]:g}</title></circle>")  # fmt: skip
+                       f"<title>step {at + 1}: spec {f'{spec[at]:g}' if at < len(spec) else '-'}, native {native[at]:g}"
+                       "</title></circle>")  # fmt: skip
     out.append("</svg>")
     return "".join(out)

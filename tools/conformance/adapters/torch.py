@@ -343,6 +343,8 @@ def run_models(p: dict, mode: str) -> dict:
     check_column("torch", p["model"])
     return models.observe(p, mode)
 
-# the fp8 group (issue 26): conformance/fp8/torch.py; the blocks group (issue 31): conformance/blocks/
+# the fp8 group (issue 26): conformance/fp8/torch.py; the blocks group (issue 31): conformance/blocks/;
+# the deepspeed group (issue 32): conformance/deepspeed/
 from conformance.blocks.torch import run_block_quantize  # noqa: E402, F401
+from conformance.deepspeed.torch import run_deepspeed_trace  # noqa: E402, F401
 from conformance.fp8.torch import run_fp8_matmul, run_fp8_quantize, run_fp8_trace  # noqa: E402, F401
