@@ -14,10 +14,10 @@ from __future__ import annotations
 import copy
 import os
 import sys
-import traceback
 import warnings
 
-from deepspeed_worker import INF_STEP, LR, POLICY, STEPS, _batch, _model, mark, snapshot
+from deepspeed_worker import INF_STEP, LR, POLICY, STEPS, _batch, _model, init_deepspeed, mark, snapshot
+from two_ranks import worker_main
 
 CLIP = 1e-3
 
@@ -185,25 +185,6 @@ def _fabric(rank, out_dir):
             "saved_snapshot": saved_snapshot, "loaded_snapshot": loaded_snapshot}  # fmt: skip
 
 
-def main(argv):
-    suite, rank, out_dir = argv[1], int(argv[2]), argv[3]
-    os.environ.update(NODE_RANK="0")
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    import deepspeed
-
-    deepspeed.init_distributed(dist_backend="gloo")  # the strategies find the process group made
-    mark("init_distributed")
-    try:
-        result = {"suite_lightning": suite_lightning}[f"suite_{suite}"](rank, out_dir)
-    except Exception:
-        result = {"error": traceback.format_exc()}
-    torch.save(result, os.path.join(out_dir, f"{suite}-{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main(sys.argv)
+    # the process group made by DeepSpeed's init_distributed, which Lightning's strategies then find
+    worker_main(sys.argv, {"lightning": suite_lightning}, init=init_deepspeed)

@@ -12,13 +12,10 @@ mapping here, which drives DeepSpeed's own scaler.
 
 import math
 import os
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
+from two_ranks import ranked_env, rendezvous_env, run_ranks
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("deepspeed")
@@ -29,61 +26,16 @@ WORKER = Path(__file__).with_name("deepspeed_worker.py")
 ROOT = Path(__file__).resolve().parents[2]
 STEPS, INF_STEP = 6, 2
 FP16_INF_STEPS = (2, 3)
-HANG_GUARD_S = 1800  # only a hang guard: a rank that dies is noticed at once
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_suite(suite: str, tmp: Path, extensions: Path, module: Path = WORKER) -> list[dict]:
     """Run ``suite`` of ``module`` on 2 gloo ranks (env://); returns each rank's saved dict."""
-    port = _free_port()
     env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-        "WORLD_SIZE": "2",
+        **rendezvous_env(),
         "LOCAL_WORLD_SIZE": "2",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
         "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(extensions)),
     }
-    logs = [tmp / f"{suite}-{rank}.log" for rank in range(2)]
-    procs = []
-    for rank, log_path in enumerate(logs):
-        with open(log_path, "w") as log:
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, str(module), suite, str(rank), str(tmp)],
-                    env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                )
-            )
-    deadline = time.monotonic() + HANG_GUARD_S
-    try:
-        while any(p.poll() is None for p in procs):
-            if any(p.poll() not in (None, 0) for p in procs) or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    text = "\n".join(f"rank {r} (exit {p.returncode}):\n{path.read_text()[-6000:]}"
-                     for r, (p, path) in enumerate(zip(procs, logs, strict=True)))  # fmt: skip
-    assert all(p.returncode == 0 for p in procs), text
-    results = []
-    for rank in range(2):
-        path = tmp / f"{suite}-{rank}.pt"
-        assert path.exists(), f"rank {rank} saved nothing:\n{text}"
-        result = torch.load(path, weights_only=False)
-        assert "error" not in result, result.get("error")
-        results.append(result)
-    return results
+    return run_ranks(module, suite, tmp, env=env, rank_env=ranked_env)
 
 
 @pytest.fixture(scope="session")
