@@ -9,6 +9,7 @@
 Integrations, each imported on its own (importing mpx_torch imports none of these libraries):
 ``mpx_torch.lightning`` (``MPXPrecision`` for Lightning's Trainer, ``MPXFabricPrecision`` for Fabric),
 ``mpx_torch.lightning_fsdp`` (their forms for ``ModelParallelStrategy`` (FSDP2) and ``FSDPStrategy`` (FSDP1)),
+``mpx_torch.lightning_deepspeed`` (their forms for ``DeepSpeedStrategy``), ``mpx_torch.deepspeed`` (the engine),
 ``mpx_torch.accelerate`` (``attach(accelerator, policy)``),
 ``mpx_torch.transformers`` (``MPXTrainer`` / ``MPXTrainerMixin`` for the HF Trainer).
 """

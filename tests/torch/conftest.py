@@ -6,6 +6,11 @@ from pathlib import Path
 
 import pytest
 
+# two_ranks (the 2-process launcher and the workers' main), shared by the multi-rank tests and their
+# workers, imports as a top-level module (the workers run as scripts from this folder)
+if str(Path(__file__).parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).parent))
+
 # The slow-policy warning (torch float16 on CPU) is tested on its own in test_slow_warning.py.
 os.environ.setdefault("MPX_NO_SLOW_WARNING", "1")
 

@@ -1,6 +1,6 @@
 """One rank of the 2-process DeepSpeed runs of tests/torch/test_deepspeed.py (a spawn target, not a test).
 
-``python tests/torch/deepspeed_worker.py SUITE RANK OUT_DIR``: the parent sets RANK, WORLD_SIZE,
+``python tests/torch/deepspeed_worker.py SUITE RANK OUT_DIR`` (two_ranks.run_ranks): the parent sets RANK, WORLD_SIZE,
 MASTER_ADDR and MASTER_PORT (env:// on gloo, as Accelerate and the HF Trainer read them) and
 TORCH_EXTENSIONS_DIR (DeepSpeed's first ``init_distributed`` JIT-compiles its CPU shm op there).
 Each suite runs its scenarios on DeepSpeed's bf16 engine with ZeRO-2 on CPU and saves what it saw
@@ -13,7 +13,8 @@ import os
 import random
 import sys
 import time
-import traceback
+
+from two_ranks import worker_main
 
 _T0 = time.monotonic()
 
@@ -431,26 +432,15 @@ def suite_hf(rank, out_dir):
     return {"first": first, "resumed": {"rows": [row["scaler"] for row in resumed["rows"]]}}
 
 
-def main(argv):
-    suite, rank, out_dir = argv[1], int(argv[2]), argv[3]
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
+def init_deepspeed(suite, rank, out_dir):
+    """DeepSpeed's init_distributed on gloo (env://; the first one JIT-compiles its CPU shm op)."""
     import deepspeed
 
     mark("imported")
     deepspeed.init_distributed(dist_backend="gloo")
     mark("init_distributed")
-    try:
-        suites = {"suite_engine": suite_engine, "suite_accelerate": suite_accelerate, "suite_hf": suite_hf}
-        result = suites[f"suite_{suite}"](rank, out_dir)
-    except Exception:
-        result = {"error": traceback.format_exc()}
-    torch.save(result, os.path.join(out_dir, f"{suite}-{rank}.pt"))
-    dist.barrier()  # every rank done before teardown (gloo can abort a rank that tears down mid-exchange)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv)
+    worker_main(sys.argv, {"engine": suite_engine, "accelerate": suite_accelerate, "hf": suite_hf},
+                init=init_deepspeed)  # fmt: skip

@@ -1,16 +1,16 @@
 """One rank of the 2-process gloo runs of tests/torch/test_distributed.py (a spawn target, not a test).
 
-``python tests/torch/dist_worker.py SUITE RANK WORLD INIT_FILE OUT_DIR``: joins the
-group through a file store, runs every scenario of SUITE (``ddp`` or ``fsdp``)
+``python tests/torch/dist_worker.py SUITE RANK OUT_DIR`` (two_ranks.run_ranks): joins the
+group through a file store in OUT_DIR, runs every scenario of SUITE (``ddp`` or ``fsdp``)
 and saves what it saw to ``OUT_DIR/SUITE-RANK.pt`` (torch.save of plain data).
 """
 
 from __future__ import annotations
 
-import datetime
 import os
 import sys
-import traceback
+
+from two_ranks import init_gloo, worker_main
 
 os.environ.setdefault("MPX_NO_SLOW_WARNING", "1")
 
@@ -360,29 +360,11 @@ def suite_fsdp(rank):
     }
 
 
-def main(argv):
-    suite, rank, world, init_file, out_dir = argv[1], int(argv[2]), int(argv[3]), argv[4], argv[5]
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    # a collective whose peer never comes fails after 15 minutes (saved as this rank's error), instead of
-    # gloo's default 30: only a hang guard, far above any wait a loaded machine causes
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(minutes=15),
-    )
-    try:
-        result = {"suite_ddp": suite_ddp, "suite_fsdp": suite_fsdp}[f"suite_{suite}"](rank)
-    except Exception:
-        result = {"error": traceback.format_exc()}
-    torch.save(result, os.path.join(out_dir, f"{suite}-{rank}.pt"))
-    dist.barrier()  # every rank done before teardown (gloo can abort a rank that tears down mid-exchange)
-    dist.destroy_process_group()
+def _init(suite, rank, out_dir):
+    # a file store (no port to pick)
+    init_gloo(rank, f"file://{os.path.join(out_dir, suite + '-store')}")
 
 
 if __name__ == "__main__":
-    main(sys.argv)
+    worker_main(sys.argv, {"ddp": lambda rank, _: suite_ddp(rank), "fsdp": lambda rank, _: suite_fsdp(rank)},
+                init=_init)  # fmt: skip

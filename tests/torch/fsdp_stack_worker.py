@@ -1,8 +1,8 @@
 """One rank of the 2-process gloo runs of tests/torch/test_fsdp_stacks.py (a spawn target, not a test).
 
 ``python tests/torch/fsdp_stack_worker.py SUITE RANK OUT_DIR`` with ``MASTER_ADDR``,
-``MASTER_PORT`` and ``WORLD_SIZE=2`` in the environment (Lightning and Fabric read
-them as processes launched by a cluster: ``LOCAL_RANK``/``RANK`` are set here).
+``MASTER_PORT``, ``WORLD_SIZE=2``, ``RANK``, ``LOCAL_RANK`` and ``NODE_RANK`` in the environment
+(two_ranks.run_ranks; Lightning and Fabric read them as processes launched by a cluster).
 Runs every scenario of SUITE (``lightning``, ``fabric`` or ``fp8``) and saves what
 it saw to ``OUT_DIR/SUITE-RANK.pt`` (torch.save of plain data).
 """
@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import os
 import sys
-import traceback
 import warnings
+
+from two_ranks import worker_main
 
 os.environ.setdefault("MPX_NO_SLOW_WARNING", "1")
 
@@ -417,25 +418,6 @@ def suite_fp8(rank, tmp):
     }
 
 
-def main(argv):
-    suite, rank, out_dir = argv[1], int(argv[2]), argv[3]
-    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), NODE_RANK="0")
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    # the process group is made here (file-free, from MASTER_ADDR/PORT); Lightning and Fabric reuse it
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        result = {"suite_lightning": suite_lightning, "suite_fabric": suite_fabric, "suite_fp8": suite_fp8}[
-            f"suite_{suite}"
-        ](rank, out_dir)
-    except Exception:
-        result = {"error": traceback.format_exc()}
-    torch.save(result, os.path.join(out_dir, f"{suite}-{rank}.pt"))
-    dist.barrier()  # every rank done before teardown (gloo can abort a rank that tears down mid-exchange)
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main(sys.argv)
+    # env:// (the launcher's MASTER_ADDR/PORT, RANK, LOCAL_RANK): Lightning and Fabric reuse the group
+    worker_main(sys.argv, {"lightning": suite_lightning, "fabric": suite_fabric, "fp8": suite_fp8})

@@ -1,7 +1,7 @@
 """mpx inside DeepSpeed engines: mpx_torch.deepspeed, 2 gloo processes, bf16 ZeRO-2 on CPU.
 
-Each suite is two processes of tests/torch/deepspeed_worker.py, started once per module; the
-tests read what they saw.  DeepSpeed's first ``init_distributed`` JIT-compiles its CPU shm op
+Each suite is two processes of tests/torch/deepspeed_worker.py (Lightning's DeepSpeedStrategy:
+deepspeed_lightning_worker.py), started once per module; the tests read what they saw.  DeepSpeed's first ``init_distributed`` JIT-compiles its CPU shm op
 (about 3 minutes on 2 loaded cores, 1 s once built): the build is kept in the pytest cache
 (``.pytest_cache/d/torch_extensions``) unless TORCH_EXTENSIONS_DIR names another place.
 
@@ -12,13 +12,10 @@ mapping here, which drives DeepSpeed's own scaler.
 
 import math
 import os
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
+from two_ranks import ranked_env, rendezvous_env, run_ranks
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("deepspeed")
@@ -29,61 +26,16 @@ WORKER = Path(__file__).with_name("deepspeed_worker.py")
 ROOT = Path(__file__).resolve().parents[2]
 STEPS, INF_STEP = 6, 2
 FP16_INF_STEPS = (2, 3)
-HANG_GUARD_S = 1800  # only a hang guard: a rank that dies is noticed at once
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_suite(suite: str, tmp: Path, extensions: Path, module: Path = WORKER) -> list[dict]:
     """Run ``suite`` of ``module`` on 2 gloo ranks (env://); returns each rank's saved dict."""
-    port = _free_port()
     env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-        "WORLD_SIZE": "2",
+        **rendezvous_env(),
         "LOCAL_WORLD_SIZE": "2",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
         "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(extensions)),
     }
-    logs = [tmp / f"{suite}-{rank}.log" for rank in range(2)]
-    procs = []
-    for rank, log_path in enumerate(logs):
-        with open(log_path, "w") as log:
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, str(module), suite, str(rank), str(tmp)],
-                    env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                )
-            )
-    deadline = time.monotonic() + HANG_GUARD_S
-    try:
-        while any(p.poll() is None for p in procs):
-            if any(p.poll() not in (None, 0) for p in procs) or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    text = "\n".join(f"rank {r} (exit {p.returncode}):\n{path.read_text()[-6000:]}"
-                     for r, (p, path) in enumerate(zip(procs, logs, strict=True)))  # fmt: skip
-    assert all(p.returncode == 0 for p in procs), text
-    results = []
-    for rank in range(2):
-        path = tmp / f"{suite}-{rank}.pt"
-        assert path.exists(), f"rank {rank} saved nothing:\n{text}"
-        result = torch.load(path, weights_only=False)
-        assert "error" not in result, result.get("error")
-        results.append(result)
-    return results
+    return run_ranks(module, suite, tmp, env=env, rank_env=ranked_env)
 
 
 @pytest.fixture(scope="session")
@@ -310,3 +262,100 @@ def test_hf_trainer_resume_restores_the_scaler_state(hf):
         assert [row["steps"] for row in rows] == [STEPS + 1, STEPS + 2]
         assert [row["skipped_steps"] for row in rows] == [1, 1]
         assert rows[0]["config"] == rank["first"]["scaler"]["config"]
+
+
+# -- Lightning's DeepSpeedStrategy (Trainer and Fabric) with mpx's plugins -------------------------------
+LIGHTNING_WORKER = Path(__file__).with_name("deepspeed_lightning_worker.py")
+
+
+@pytest.fixture(scope="module")
+def lightning(tmp_path_factory, extensions_dir):
+    """Lightning's DeepSpeedStrategy less only its CUDA check (``setup_environment``, lines 341-347 of
+    lightning/pytorch/strategies/deepspeed.py, 639-645 of the Fabric one, lightning 2.6), CPU devices
+    given their indices: see deepspeed_lightning_worker.py."""
+    return run_suite(
+        "lightning", tmp_path_factory.mktemp("lightning"), extensions_dir, module=LIGHTNING_WORKER
+    )
+
+
+def test_lightning_writes_the_policy_into_the_strategy_config(lightning):
+    fit = lightning[0]["fit"]
+    assert fit["precision"] == "bf16-mixed"
+    assert fit["config"]["bf16"] == {"enabled": True, "check_grad_overflow": True}
+    assert fit["config"]["communication_data_type"] == "fp32"
+    assert fit["config"]["zero_optimization"]["stage"] == 2
+    assert lightning[0]["fabric"]["config"]["bf16"] == {"enabled": True, "check_grad_overflow": True}
+
+
+@pytest.mark.parametrize("stack", ["fit", "fabric"])
+def test_lightning_trains_and_skips_on_every_rank(lightning, stack):
+    """Trainer.fit and Fabric: the loss falls, an inf in rank 1's loss skips the step on both ranks with
+    the bf16 module, the float32 master partition and the optimizer state bit-identical."""
+    r0, r1 = lightning[0][stack]["rows"], lightning[1][stack]["rows"]
+    assert math.isinf(r1[INF_STEP]["loss"]) and math.isfinite(r0[INF_STEP]["loss"])
+    for rows in (r0, r1):
+        finite = [row["loss"] for row in rows if math.isfinite(row["loss"])]
+        assert finite[-1] < finite[0]
+        assert same_snapshot(rows[INF_STEP], rows[INF_STEP - 1])
+        assert not _same(rows[INF_STEP + 1]["module"], rows[INF_STEP]["module"])
+        assert [row["scaler"]["skipped_steps"] for row in rows] == [0, 0, 1, 1, 1, 1]
+        assert [row["scaler"]["steps"] for row in rows] == list(range(1, STEPS + 1))
+    for a, b in zip(r0, r1, strict=True):
+        assert _same(a["module"], b["module"])
+
+
+def test_lightning_clipping_sees_the_unscaled_gradients(lightning):
+    """gradient_clip_val becomes DeepSpeed's gradient_clipping: the norm it reports is the reference's
+    (plain autograd on the same module, rank-averaged) and the SGD update is clipped to that norm."""
+    clip = [rank["clip"] for rank in lightning]
+    assert clip[0]["config"]["gradient_clipping"] == 1e-3
+    sq = 0.0
+    for run in clip:
+        norm = float(run["rows"][0]["norm"])
+        assert norm > 100 * 1e-3
+        assert norm == pytest.approx(run["reference_norm"], rel=2e-2)
+        before, after = run["start_snapshot"]["masters"], run["rows"][0]["masters"]
+        sq += sum(float((b - a).double().pow(2).sum()) for b, a in zip(before, after, strict=True))
+    assert math.sqrt(sq) / 1e-2 == pytest.approx(1e-3, rel=1e-3)  # each rank holds its master partition
+
+
+def test_lightning_resume_restores_the_scaler_state(lightning):
+    for rank in lightning:
+        fit, resumed = rank["fit"], rank["resumed"]
+        assert fit["saved_state"]["steps"] == STEPS and fit["saved_state"]["skipped_steps"] == 1
+        # the plugin's entry, in the engine's client state
+        assert resumed["loaded"] == {"MPXDeepSpeedPrecision": fit["saved_state"]}
+        assert resumed["start_state"] == fit["saved_state"]
+        assert same_snapshot(resumed["start_snapshot"], fit["saved_snapshot"])
+        assert [row["scaler"]["steps"] for row in resumed["rows"]] == [STEPS + 1, STEPS + 2]
+        fabric = rank["fabric"]
+        assert fabric["saved"]["steps"] == STEPS and fabric["saved"]["skipped_steps"] == 1
+        assert fabric["pending"] == fabric["saved"]  # loaded before the engine's first backward
+        assert fabric["after_backward"] == fabric["saved"]
+        assert same_snapshot(fabric["loaded_snapshot"], fabric["saved_snapshot"])
+
+
+def test_lightning_refuses_an_engine_that_runs_another_scaler(lightning):
+    assert lightning[0]["fabric"]["mismatch"].startswith("engine: the DeepSpeed engine computes in bfloat16")
+    assert "plugin.ds_config(base)" in lightning[0]["fabric"]["mismatch"]
+
+
+def test_lightning_plugins_refuse_what_deepspeed_cannot_run():
+    from torch import nn
+
+    from mpx_torch.lightning_deepspeed import MPXDeepSpeedPrecision, MPXFabricDeepSpeedPrecision
+
+    for cls in (MPXDeepSpeedPrecision, MPXFabricDeepSpeedPrecision):
+        with pytest.raises(mpx.MPXError, match="^policy: .*fp8"):
+            cls("mixed_bfloat16,fp8=hybrid")
+        with pytest.raises(mpx.MPXError, match="^policy: params=bfloat16"):
+            cls("bfloat16")
+        with pytest.raises(mpx.ScalerConfigError, match="^kind: "):
+            cls("mixed_bfloat16", {"kind": "dynamic"})
+        assert cls("mixed_float16").precision == "16-mixed"
+        plugin = cls("mixed_bfloat16")
+        assert plugin.state_dict() == {}
+        with pytest.raises(mpx.StateDictError):
+            plugin.load_state_dict({"format": "mpx.scaler/1"})
+    with pytest.raises(mpx.MPXError, match="^strategy: MPXDeepSpeedPrecision runs under Lightning's"):
+        MPXDeepSpeedPrecision("mixed_bfloat16").convert_module(nn.Linear(2, 2))

@@ -6,16 +6,13 @@ Native torch (torch.amp.GradScaler) is run the same way and its behaviour assert
 so the tests document it.
 """
 
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from two_ranks import run_ranks
 
 import mpx
 import mpx_torch
@@ -25,51 +22,8 @@ CONFIG = mpx.ScalerConfig(init_scale=2.0**10, growth_interval=2)
 STEPS, INF_STEP = 6, 2
 
 
-#: Only a hang guard (about 15 s on a quiet machine): a loaded machine must not fail the suite.  A rank
-#: that dies is noticed at once (its peer is stopped and the logs shown), without waiting for this.
-HANG_GUARD_S = 1800
-
-
 def _run_suite(suite: str, tmp: Path) -> list[dict]:
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")]),
-    }
-    init = tmp / f"{suite}-store"
-    log_paths = [tmp / f"{suite}-{rank}.log" for rank in range(2)]
-    procs = []
-    for rank, log_path in enumerate(log_paths):
-        with open(log_path, "w") as log:  # a file, not a pipe: a chatty rank never blocks on a full pipe
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, str(WORKER), suite, str(rank), "2", str(init), str(tmp)],
-                    env=env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                )
-            )
-    deadline = time.monotonic() + HANG_GUARD_S
-    try:
-        while any(p.poll() is None for p in procs):
-            if any(p.poll() not in (None, 0) for p in procs) or time.monotonic() > deadline:
-                break  # a rank failed (its peer would wait for it), or the suite hangs
-            time.sleep(0.2)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    logs = [f"rank {rank} (exit {p.returncode}):\n{path.read_text()}" for rank, (p, path) in
-            enumerate(zip(procs, log_paths, strict=True))]  # fmt: skip
-    assert all(p.returncode == 0 for p in procs), "\n".join(logs)
-    results = []
-    for rank in range(2):
-        path = tmp / f"{suite}-{rank}.pt"
-        assert path.exists(), f"rank {rank} saved nothing:\n" + "\n".join(logs)
-        result = torch.load(path, weights_only=False)
-        assert "error" not in result, result.get("error")
-        results.append(result)
-    return results
+    return run_ranks(WORKER, suite, tmp)
 
 
 @pytest.fixture(scope="module")

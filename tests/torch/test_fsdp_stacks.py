@@ -7,69 +7,20 @@ the step on every rank with the shards and the optimizer state bit-identical; cl
 gradients (the run with loss scaling equals the run without, bit for bit); resuming restores the scale.
 """
 
-import os
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from two_ranks import ranked_env, rendezvous_env, run_ranks
 
 pytest.importorskip("lightning")
 
 WORKER = Path(__file__).with_name("fsdp_stack_worker.py")
 INF_STEP, STEPS = 2, 6
-HANG_GUARD_S = 1800  # only a hang guard: a rank that dies is noticed at once
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run_suite(suite: str, tmp: Path) -> list[dict]:
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")]),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
-        "WORLD_SIZE": "2",
-    }
-    log_paths = [tmp / f"{suite}-{rank}.log" for rank in range(2)]
-    procs = []
-    for rank, log_path in enumerate(log_paths):
-        with open(log_path, "w") as log:  # a file, not a pipe: a chatty rank never blocks on a full pipe
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, str(WORKER), suite, str(rank), str(tmp)],
-                    env=env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                )
-            )
-    deadline = time.monotonic() + HANG_GUARD_S
-    try:
-        while any(p.poll() is None for p in procs):
-            if any(p.poll() not in (None, 0) for p in procs) or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    logs = [f"rank {rank} (exit {p.returncode}):\n{path.read_text()}" for rank, (p, path) in
-            enumerate(zip(procs, log_paths, strict=True))]  # fmt: skip
-    assert all(p.returncode == 0 for p in procs), "\n".join(logs)
-    results = []
-    for rank in range(2):
-        result = torch.load(tmp / f"{suite}-{rank}.pt", weights_only=False)
-        assert "error" not in result, result.get("error")
-        results.append(result)
-    return results
+    return run_ranks(WORKER, suite, tmp, env=rendezvous_env(), rank_env=ranked_env)
 
 
 @pytest.fixture(scope="module")
