@@ -146,13 +146,15 @@ def test_compare_runs_block_recipes_on_the_transformer_task(tmp_path, backend):
         pytest.skip(f"needs {backend}")
     policies = ["mixed_bfloat16,fp8=mxfp8", "mixed_bfloat16,fp4=nvfp4", "mixed_bfloat16,fp8=fp8_blockwise",
                 "mixed_bfloat16,fp4=nvfp4_te"]  # fmt: skip
+    if backend == "jax":  # each policy is a compile (~20 s on a loaded CPU): one nearest, one seeded
+        policies = [policies[0], policies[3]]
     proc = _mpx("compare", "--backend", backend, "--model", "transformer", "--seeds", "1", "--epochs", "1",
                 "--max-steps", "2", *[a for p in policies for a in ("--policy", p)], "--out", str(tmp_path))  # fmt: skip
     assert proc.returncode in (0, 1), proc.stderr[-3000:]
     data = json.loads((tmp_path / "compare.json").read_text())
     assert data["backends"][backend]["status"] == "ok", data["backends"][backend]
     runs = {r["policy"]: r for r in data["runs"]}
-    assert set(runs) == {"float32", *data["settings"]["policies"]} and len(runs) == 5
+    assert set(runs) == {"float32", *data["settings"]["policies"]} and len(runs) == len(policies) + 1
     for name in data["settings"]["policies"]:
         assert runs[name]["fp8_layers"] == 4 and runs[name]["steps"] == 2 and None not in runs[name]["losses"]
     assert runs["float32"]["fp8_layers"] == 0
