@@ -47,6 +47,7 @@ import mpx
 from mpx.blocks import BlockRecipe
 from mpx.errors import Float8Error
 from mpx.policy import Policy
+from mpx_jax._dense_params import BIAS_INIT, KERNEL_INIT, linen_params, nnx_params
 from mpx_jax.blocks import block_matmul, is_seeded
 
 __all__ = ["STEP_COLLECTION", "BlockDense", "BlockLinear", "BlockStep", "block_layers", "block_recipe",
@@ -91,10 +92,6 @@ class BlockStep(nnx.Variable):
     """The step counter of a seeded :class:`BlockLinear` (an int32 scalar; not a parameter)."""
 
 
-_KERNEL_INIT = nnx.initializers.lecun_normal()
-_BIAS_INIT = nnx.initializers.zeros_init()
-
-
 class BlockLinear(nnx.Module):
     """``x @ kernel + bias`` with block-scaled GEMMs (emulated; see the module docs).
 
@@ -121,8 +118,8 @@ class BlockLinear(nnx.Module):
         use_bias: bool = True,
         dtype: Any = None,
         param_dtype: Any = jnp.float32,
-        kernel_init: Any = _KERNEL_INIT,
-        bias_init: Any = _BIAS_INIT,
+        kernel_init: Any = KERNEL_INIT,
+        bias_init: Any = BIAS_INIT,
         rngs: nnx.Rngs,
         seed: int = 0,
         index: int = 0,
@@ -133,8 +130,10 @@ class BlockLinear(nnx.Module):
         self.dtype = dtype
         self.block_seed, self.block_index, self.deterministic = seed, index, deterministic
         self.block_step = BlockStep(jnp.zeros((), jnp.int32)) if is_seeded(self.recipe) else None
-        self.kernel = nnx.Param(kernel_init(rngs.params(), (in_features, out_features), param_dtype))
-        self.bias = nnx.Param(bias_init(rngs.params(), (out_features,), param_dtype)) if use_bias else None
+        self.kernel, self.bias = nnx_params(
+            in_features, out_features, use_bias=use_bias, param_dtype=param_dtype,
+            kernel_init=kernel_init, bias_init=bias_init, rngs=rngs,
+        )  # fmt: skip
 
     def __call__(self, x: jax.Array) -> jax.Array:
         bias = None if self.bias is None else self.bias[...]
@@ -172,13 +171,8 @@ class BlockDense(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         recipe = block_recipe(self.recipe)
         x = jnp.asarray(x)
-        kernel = self.param(
-            "kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features), self.param_dtype
-        )
-        bias = (
-            self.param("bias", nn.initializers.zeros_init(), (self.features,), self.param_dtype)
-            if self.use_bias
-            else None
+        kernel, bias = linen_params(
+            self, x.shape[-1], self.features, use_bias=self.use_bias, param_dtype=self.param_dtype
         )
         rng: dict[str, Any] = {}
         if is_seeded(recipe):
