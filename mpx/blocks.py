@@ -286,5 +286,5 @@ def refuse_randomized_recipe(recipe: Any, where: str) -> None:
             f"recipe: {where} does not run stochastic rounding or the Hadamard transform yet "
             f"({recipe.name or 'a custom block recipe'}: rounding={recipe.rounding!r}, hadamard={recipe.hadamard}); "
             "use a round-to-nearest recipe without the transform here (mxfp8, mxfp8_rceil, mxfp4, nvfp4, "
-            "fp8_blockwise, fp8_rowwise); torch (mpx_torch.blocks) and the core's kernels run it."
+            "fp8_blockwise, fp8_rowwise); torch (mpx_torch.blocks), JAX (mpx_jax.blocks) and the core's kernels run it."
         )

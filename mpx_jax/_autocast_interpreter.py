@@ -80,6 +80,9 @@ class Interpreter(ControlFlow):
         # inside a named function run at new dtypes: traced half dtype -> the dtype it runs at now
         self.retype: dict[np.dtype, np.dtype] = {}
         self.scopes: dict[str, Interpreter] = {MIXED_SCOPE: self}
+        # a seeded block recipe's keys (mpx_jax.blocks.BlockRng) and the index of the next block dot
+        self.block_rng: Any = None
+        self.block_next = 0
 
     def with_float32_regions(self) -> Interpreter:
         """Attach the interpreter of nested float32 regions (LOWER and FLOAT32 ops at float32); self."""
@@ -294,7 +297,15 @@ class Interpreter(ControlFlow):
             # scaling (autocast keeps no state), the result in the compute dtype
             dims = param(eqn, "dimension_numbers")
             if isinstance(self.rules.fp8, BlockRecipe):  # block-scaled, emulated (mpx_jax.blocks)
-                return [block_dot_general(lhs, rhs, dims, self.rules.fp8, out_dtype=compute)]
+                keys: dict[str, Any] = {}
+                if self.block_rng is not None:  # numbered in trace order, as BlockRng says
+                    keys = {
+                        "seed": self.block_rng.seed,
+                        "step": self.block_rng.step,
+                        "index": self.block_next,
+                    }
+                    self.block_next += 1
+                return [block_dot_general(lhs, rhs, dims, self.rules.fp8, out_dtype=compute, **keys)]
             return [fp8_dot_general(lhs, rhs, dims, self.rules.fp8, out_dtype=compute)]
         args = [cast(lhs, compute), cast(rhs, compute), *invals[2:]]
         param(eqn, "preferred_element_type")  # the float32 accumulation is asked for through it

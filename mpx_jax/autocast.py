@@ -130,7 +130,11 @@ that slice alone.
 each GEMM's operands quantized and dequantized by the core's kernel along that GEMM's reduction
 dimension (forward, input gradient, weight gradient: the roles and blocks of ``mpx_torch``'s
 ``BlockLinear``), then multiplied in float32 (emulated) and the result returned in the compute dtype.
-Block scales are stateless, so they need no ``fp8_scaling``.
+Block scales are stateless, so they need no ``fp8_scaling``.  A seeded recipe (``fp4=nvfp4_te``: stochastic
+rounding of gradients, the random Hadamard transform) needs ``rng=mpx_jax.blocks.BlockRng(seed, step)``:
+``step`` is a traced int32 scalar you pass in (one compile serves every step), and the block dots are
+numbered ``rng.index``, ``rng.index + 1``... in trace order (their gradients' keys ``2 * i`` and
+``2 * i + 1``, torch ``BlockLinear``'s).
 
 The result composes with ``jit``, ``grad`` and ``vmap`` in either order.
 Outputs are not cast to the output dtype: do that
@@ -169,6 +173,7 @@ from mpx_jax._autocast_interpreter import (
 )
 from mpx_jax._autocast_rules import PRIMITIVE_OPS, Rules, rule_primitives
 from mpx_jax._compat import check_autocast_primitives, softmax_custom_jvp
+from mpx_jax.blocks import BlockRng, is_seeded
 
 __all__ = ["PRIMITIVE_OPS", "AutocastError", "AutocastFallbackWarning", "autocast"]
 
@@ -178,7 +183,12 @@ def _is_dynamic(leaf: Any) -> bool:
 
 
 def autocast(
-    fn: Callable[..., Any], policy: PolicySpec, *, op_table: OpTable | None = None, strict: bool = False
+    fn: Callable[..., Any],
+    policy: PolicySpec,
+    *,
+    op_table: OpTable | None = None,
+    strict: bool = False,
+    rng: BlockRng | None = None,
 ) -> Callable[..., Any]:
     """``fn`` with every op run in the dtype the op table gives it under ``policy``.
 
@@ -194,6 +204,8 @@ def autocast(
         strict: raise :class:`AutocastError` when an equation cannot run at
             the dtypes the op table gives it (default False: a
             :class:`AutocastFallbackWarning`, and it runs at its traced dtypes).
+        rng: the keys of a seeded block recipe (:class:`mpx_jax.blocks.BlockRng`: ``seed``, the traced
+            ``step``, the first dot's ``index``); required under one, ignored otherwise (default None).
 
     Returns:
         A function with ``fn``'s signature and outputs.  For a policy that does
@@ -203,8 +215,8 @@ def autocast(
 
     Raises:
         mpx.PolicyError: a bad policy; mpx.Float8Error: an FP8 recipe with delayed
-        scaling; mpx.MPXError: ``op_table`` is not an :class:`mpx.OpTable` or
-        ``strict`` not a bool.
+        scaling, or a seeded block recipe without ``rng``; mpx.MPXError: ``op_table`` is not an
+        :class:`mpx.OpTable`, ``strict`` not a bool or ``rng`` not a ``BlockRng``.
 
     Warns:
         mpx.SlowPolicyWarning: once per process, when the compute dtype is
@@ -228,6 +240,16 @@ def autocast(
             "use the Flax layers mpx_jax.float8_flax.Float8Linear / mpx_jax.float8_linen.Float8Dense, "
             "which keep delayed-scaling state."
         )
+    if rng is not None and not isinstance(rng, BlockRng):
+        raise mpx.MPXError(
+            f"rng: expected an mpx_jax.blocks.BlockRng(seed, step, index) or None, got {type(rng).__name__}"
+        )
+    if is_seeded(pol.fp8) and rng is None:
+        raise mpx.Float8Error(
+            f"rng: {str(pol)!r} rounds gradients stochastically or applies the Hadamard transform, so "
+            "mpx_jax.autocast needs rng=mpx_jax.blocks.BlockRng(seed, step) (a Python int seed, the step "
+            "as a traced int32 scalar)."
+        )
     check_autocast_primitives(rule_primitives())
     mpx.warn_if_slow("jax", pol, jax.default_backend(), stacklevel=3)
     if not pol.lowers_precision and pol.fp8 is None:
@@ -241,6 +263,7 @@ def autocast(
 
     rules = Rules(pol, table)
     interp = Interpreter(rules, strict=strict).with_float32_regions()
+    interp.block_rng = rng
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -255,6 +278,7 @@ def autocast(
             a, k = jax.tree_util.tree_unflatten(treedef, full)
             return fn(*a, **k)
 
+        interp.block_next = 0 if rng is None else rng.index
         with jax.named_scope(MIXED_SCOPE):
             if rules.softmax_by_name():
                 with softmax_custom_jvp(True):

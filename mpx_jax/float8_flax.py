@@ -58,6 +58,7 @@ from mpx.kernels import float8 as kf8
 from mpx.policy import Policy
 from mpx_jax import float8 as f8
 from mpx_jax._array_ops import JAX_OPS
+from mpx_jax._dense_params import BIAS_INIT, KERNEL_INIT, nnx_params
 from mpx_jax.blocks_flax import block_layers
 from mpx_jax.opt_state import get_loss_scale
 
@@ -115,10 +116,6 @@ def _recipe(recipe: Float8Recipe | Policy) -> Float8Recipe:
     return recipe
 
 
-_KERNEL_INIT = nnx.initializers.lecun_normal()
-_BIAS_INIT = nnx.initializers.zeros_init()
-
-
 class Float8Linear(nnx.Module):
     """``x @ kernel + bias`` with the GEMM in FP8 (inputs and weights e4m3, gradients e5m2 under ``hybrid``).
 
@@ -141,14 +138,16 @@ class Float8Linear(nnx.Module):
         use_bias: bool = True,
         dtype: Any = None,
         param_dtype: Any = jnp.float32,
-        kernel_init: Any = _KERNEL_INIT,
-        bias_init: Any = _BIAS_INIT,
+        kernel_init: Any = KERNEL_INIT,
+        bias_init: Any = BIAS_INIT,
         rngs: nnx.Rngs,
     ) -> None:
         self.recipe = _recipe(recipe)
         self.dtype = dtype
-        self.kernel = nnx.Param(kernel_init(rngs.params(), (in_features, out_features), param_dtype))
-        self.bias = nnx.Param(bias_init(rngs.params(), (out_features,), param_dtype)) if use_bias else None
+        self.kernel, self.bias = nnx_params(
+            in_features, out_features, use_bias=use_bias, param_dtype=param_dtype,
+            kernel_init=kernel_init, bias_init=bias_init, rngs=rngs,
+        )  # fmt: skip
         length = self.recipe.amax_history_len if self.recipe.scaling == "delayed" else 0
         n = len(ROLES)
         self.fp8_scale = Float8Scale(jnp.ones((n,), jnp.float32))

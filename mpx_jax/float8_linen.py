@@ -36,6 +36,7 @@ from mpx.float8 import ROLES, Float8Recipe
 from mpx.kernels import float8 as kf8
 from mpx_jax import float8 as f8
 from mpx_jax._array_ops import JAX_OPS
+from mpx_jax._dense_params import linen_params
 from mpx_jax.float8_flax import refuse_block
 from mpx_jax.opt_state import get_loss_scale
 
@@ -63,8 +64,8 @@ class Float8Dense(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         refuse_block(self.recipe, "Float8Dense")
         x = jnp.asarray(x)
-        kernel = self.param(
-            "kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features), self.param_dtype
+        kernel, bias = linen_params(
+            self, x.shape[-1], self.features, use_bias=self.use_bias, param_dtype=self.param_dtype
         )
         n = len(ROLES)
         length = self.recipe.amax_history_len if self.recipe.scaling == "delayed" else 0
@@ -82,8 +83,7 @@ class Float8Dense(nn.Module):
         )
         dtype = self.dtype if self.dtype is not None else x.dtype
         y = y.astype(dtype)
-        if self.use_bias:
-            bias = self.param("bias", nn.initializers.zeros_init(), (self.features,), self.param_dtype)
+        if bias is not None:
             y = y + bias.astype(dtype)
         return y
 

@@ -138,18 +138,23 @@ def test_compare_runs_fp8_policies_on_the_transformer_task(tmp_path):
     assert "FP8 layers" in (tmp_path / "compare.md").read_text()
 
 
-def test_compare_runs_block_recipes_on_the_transformer_task(tmp_path):
-    """#31 item 5: the block presets train on the transformer task next to bf16 (tiny: 2 steps, 1 seed)."""
-    if "torch" not in INSTALLED:
-        pytest.skip("needs torch")
-    policies = ["mixed_bfloat16,fp8=mxfp8", "mixed_bfloat16,fp4=nvfp4", "mixed_bfloat16,fp8=fp8_blockwise"]
-    proc = _mpx("compare", "--backend", "torch", "--model", "transformer", "--seeds", "1", "--epochs", "1",
+@pytest.mark.parametrize("backend", ["torch", "jax"])
+def test_compare_runs_block_recipes_on_the_transformer_task(tmp_path, backend):
+    """#31 item 5: the block presets (nvfp4_te: seeded, its step counters advancing) train on the transformer
+    task next to float32 on torch and JAX (tiny: 2 steps, 1 seed)."""
+    if backend not in INSTALLED:
+        pytest.skip(f"needs {backend}")
+    policies = ["mixed_bfloat16,fp8=mxfp8", "mixed_bfloat16,fp4=nvfp4", "mixed_bfloat16,fp8=fp8_blockwise",
+                "mixed_bfloat16,fp4=nvfp4_te"]  # fmt: skip
+    if backend == "jax":  # each policy is a compile (~20 s on a loaded CPU): one nearest, one seeded
+        policies = [policies[0], policies[3]]
+    proc = _mpx("compare", "--backend", backend, "--model", "transformer", "--seeds", "1", "--epochs", "1",
                 "--max-steps", "2", *[a for p in policies for a in ("--policy", p)], "--out", str(tmp_path))  # fmt: skip
     assert proc.returncode in (0, 1), proc.stderr[-3000:]
     data = json.loads((tmp_path / "compare.json").read_text())
-    assert data["backends"]["torch"]["status"] == "ok", data["backends"]["torch"]
+    assert data["backends"][backend]["status"] == "ok", data["backends"][backend]
     runs = {r["policy"]: r for r in data["runs"]}
-    assert set(runs) == {"float32", *data["settings"]["policies"]} and len(runs) == 4
+    assert set(runs) == {"float32", *data["settings"]["policies"]} and len(runs) == len(policies) + 1
     for name in data["settings"]["policies"]:
         assert runs[name]["fp8_layers"] == 4 and runs[name]["steps"] == 2 and None not in runs[name]["losses"]
     assert runs["float32"]["fp8_layers"] == 0
