@@ -1,4 +1,4 @@
-"""A 2-block Keras transformer trains under block recipes (#31), every backend: apply_policy with mxfp8 and
+"""A 2-block Keras transformer trains under block recipes (#31) on torch and TensorFlow (JAX: see below): apply_policy with mxfp8 and
 nvfp4 turns its attention projections and MLPs into block layers, fit lowers the loss, and a step the mpx
 LossScaleOptimizer skips (an inf sample weight) leaves weights and optimizer variables bit-identical (the
 block layers' block_step counters advance: they count training calls, as torch's BlockLinear does)."""
