@@ -129,7 +129,13 @@ class KerasOps(ArrayOps):
         return ops.where(cond, *_pair(a, b))
 
     def add(self, a: Any, b: Any) -> Any:
-        return ops.add(*_pair(a, b))
+        a, b = _pair(a, b)
+        if self.backend == "tensorflow" and not _is_number(b) and tuple(a.shape) != tuple(b.shape):
+            # Keras 3's TensorFlow ``ops.add`` runs ``tf.nn.bias_add`` when ``b`` squeezes to a vector as long
+            # as ``a``'s axis 1 or last axis, whichever axis that vector sits on: (32, 1, 32) + (32, 1, 1) adds
+            # along the last axis.  ``a - (-b)`` is ``a + b`` bit for bit (IEEE; int32 wraps alike).
+            return ops.subtract(a, ops.negative(b))
+        return ops.add(a, b)
 
     def sub(self, a: Any, b: Any) -> Any:
         return ops.subtract(*_pair(a, b))

@@ -52,6 +52,7 @@ __all__ = [
     "set_keras_mask",
     "unlocked",
     "unsupported_on_backend",
+    "untrack_variable",
 ]
 
 require_version("keras", keras.__version__)
@@ -206,6 +207,12 @@ def unlocked(layer: keras.layers.Layer) -> Iterator[None]:
     finally:
         if was_locked:
             tracker.lock()
+
+
+def untrack_variable(layer: keras.layers.Layer, variable: Any) -> None:
+    """Take ``variable`` out of ``layer``'s variables (a block layer turned back into the plain layer)."""
+    untrack = _attribute("keras", layer, "_untrack_variable", "turning a block-scaled layer back (mpx_keras.blocks)")
+    untrack(variable)
 
 
 def keras_history_operation(tensor: Any) -> Any:

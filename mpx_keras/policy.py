@@ -194,7 +194,11 @@ def _own_float_variables(layer: keras.layers.Layer) -> list[Any]:
 
 
 def apply_policy(
-    model: keras.layers.Layer, policy: mpx.PolicySpec | None = None, *, op_table: mpx.OpTable | None = None
+    model: keras.layers.Layer,
+    policy: mpx.PolicySpec | None = None,
+    *,
+    op_table: mpx.OpTable | None = None,
+    seed: int = 0,
 ) -> keras.layers.Layer:
     """Give every layer of ``model`` its mpx policy; the model's outputs come out in ``output_dtype``.
 
@@ -221,15 +225,20 @@ def apply_policy(
             every layer's ``call``.  It is kept on the layers, not saved: a model
             loaded with ``keras.models.load_model`` follows :data:`mpx.OP_TABLE`
             (call ``apply_policy`` again with the table).
+        seed: keyword only (default 0): the seed of a block recipe's random bits (stochastic rounding
+            and the Hadamard signs, ``nvfp4_te``), as ``mpx_torch.blocks.convert``'s; the block layers
+            are indexed in model order (:mod:`mpx_keras.blocks`).
 
     Raises:
         PolicyError: for a bad spec, or a built layer whose variables are not
             in the param dtype the policy assigns it.
         UnsupportedTypeError: when ``model`` is not a Keras layer or model.
-        MPXError: for an ``op_table`` that is not an :class:`mpx.OpTable`.
+        MPXError: for an ``op_table`` that is not an :class:`mpx.OpTable`, or a ``seed`` that is not an int.
     """
     if not isinstance(model, keras.layers.Layer):
         raise UnsupportedTypeError(f"model: expected a Keras model or layer, got {type(model).__name__}.")
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise mpx.MPXError(f"seed: {seed!r} is not allowed; allowed: a Python int")
     p = get_global_policy() if policy is None else mpx.get_policy(policy)
     table = check_op_table(op_table)
     _warn_if_slow(p, 3)
@@ -294,9 +303,9 @@ def apply_policy(
             layer.__dict__[LAYER_TABLE] = table
     # FP8 Dense/EinsumDense where fp8= names a per-tensor recipe (#26), block-scaled ones where it names a
     # block recipe (#31); blocks before and after, so a layer can move between the two kinds either way
-    block_convert(model, p, op_table=table)
+    block_convert(model, p, op_table=table, seed=seed)
     float8_convert(model, p, op_table=table)
-    block_convert(model, p, op_table=table)
+    block_convert(model, p, op_table=table, seed=seed)
     keep_in_config(model)  # a keras-hub Backbone saves them as its DTypePolicyMap (#24)
     # Keras has no forward hooks: each named layer's `call` is wrapped on the instance (its class, config
     # and saved file are untouched), the model's casting its outputs to the output dtype.

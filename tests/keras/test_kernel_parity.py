@@ -60,3 +60,23 @@ def test_fp8_tensors_come_back_with_their_bytes():
     assert got.dtype.name == "float8_e4m3fn"
     np.testing.assert_array_equal(got.astype(np.float32)[[0, 1, 3]], x[[0, 1, 3]])
     assert np.isnan(got.astype(np.float32)[2])
+
+
+def test_add_broadcasts_as_numpy_where_keras_tensorflow_would_run_bias_add():
+    """Keras's TensorFlow ``ops.add`` adds a (32, 1, 1) operand to (32, 1, 32) along the last axis
+    (``tf.nn.bias_add``): the table's ``add`` broadcasts as numpy, so a (32, 8) operand blocked along
+    its 8 columns gets the core's codes (each of its 32 rows its own scale)."""
+    rng = np.random.default_rng(0)
+    a = rng.integers(-50, 50, (32, 1, 32)).astype(np.int32)
+    b = rng.integers(-50, 50, (32, 1, 1)).astype(np.int32)
+    for x, y in ((a, b), (a.astype(np.float32), b.astype(np.float32)), (b, a)):
+        got = OPS.to_numpy(OPS.add(OPS.from_numpy(x), OPS.from_numpy(y)))
+        np.testing.assert_array_equal(got, x + y)
+    from mpx.blocks import PRESETS
+    from mpx.kernels import blocks as kb
+    from mpx.kernels.array_ops import NUMPY_OPS
+
+    w = rng.standard_normal((32, 8)).astype(np.float32)
+    got = kb.quantize(OPS, OPS.from_numpy(w), PRESETS["mxfp4"], "weight", 1)
+    want = kb.quantize(NUMPY_OPS, w, PRESETS["mxfp4"], "weight", 1)
+    np.testing.assert_array_equal(OPS.to_numpy(got.codes), want.codes)
