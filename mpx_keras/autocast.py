@@ -28,10 +28,13 @@ identical (``is``) to Keras's own.  Wrappers only run in Python: inside a
 traced step (``tf.function``, ``jax.jit``, and so ``model.fit`` on TensorFlow
 and JAX) they run once, at trace time, and the traced program holds nothing
 but the casts.  On torch, ``fit`` runs the step eagerly, and each call goes
-through the wrapper; with ``jit_compile=True`` (``torch.compile``) dynamo
-cannot trace a wrapper (it reads Python frames): each dispatched op of user
-code runs eagerly between compiled graphs (a graph break), with the right
-dtypes.  A function reference taken before the scope (``from keras.ops import
+through the wrapper; under ``torch.compile`` (``jit_compile=True``) dynamo
+traces the wrappers as jax.jit does, the choices made at trace time (no graph
+break of mpx's: which code calls an op is read from the frames dynamo traces,
+the hold is taken outside the trace, under the lock).  Compiled code guards on
+the wrappers, so a hold taken by a trace outside every scope stays (one per
+process) until :func:`release_compiled`.  Call a model once eagerly before
+compiling it: a layer mpx binds at its first call cannot be bound in a trace.  A function reference taken before the scope (``from keras.ops import
 softmax`` at import) is Keras's own and never follows the table: call
 ``keras.ops.softmax`` (looked up at the call), or decorate your own function
 with :func:`autocast_op`.
@@ -97,7 +100,7 @@ from mpx.errors import MPXError
 from mpx.ops import OpClass, OpTable
 from mpx_keras import _compat
 from mpx_keras._rule import Rule, active_global_rule, check_op_table
-from mpx_keras._user_code import LIBRARY_PACKAGES, MAX_TRACING_FRAMES, from_user_code
+from mpx_keras._user_code import LIBRARY_PACKAGES, MAX_TRACING_FRAMES, file_is_user_code, from_user_code
 from mpx_keras.dtype_policy import LayerChoices, choices_of
 
 __all__ = [
@@ -121,6 +124,7 @@ __all__ = [
     "nested_rule",
     "register_targets",
     "release",
+    "release_compiled",
     "wrapped_functions",
 ]
 
@@ -219,6 +223,9 @@ def hold(rule: Rule | None) -> Callable[[], None]:
     """
     if not _needs_table(rule):
         return _no_release
+    if _compat.compiling():
+        _hold_for_compiled_code()
+        return _no_release
     acquire()
     done = False
 
@@ -233,6 +240,44 @@ def hold(rule: Rule | None) -> Callable[[], None]:
 
 def _no_release() -> None:
     return None
+
+
+#: Whether dynamo's trace took the hold compiled code keeps (:func:`release_compiled`).
+_COMPILED_HOLD: list[bool] = [False]
+
+
+@_compat.at_trace_time
+def _hold_for_compiled_code() -> bool:
+    """Take, once and for real, the hold compiled code keeps, when nothing holds the dispatch while dynamo
+    traces: dynamo reads ``keras.ops.softmax`` (the wrapper) and guards on it, so the dispatch stays
+    installed for the compiled code's calls.  (Traced inside a scope that holds it, the code is compiled
+    again once the scope is left: its guards fail, as for a step traced under another policy.)"""
+    with _lock:
+        if not _COMPILED_HOLD[0] and _holds == 0:
+            acquire()
+            _COMPILED_HOLD[0] = True
+    return True
+
+
+def release_compiled() -> bool:
+    """Give back the hold ``torch.compile`` took (see :func:`hold`); True when there was one.
+
+    Code compiled since then finds Keras's own functions in place of the wrappers: its guards fail and
+    dynamo compiles it again (taking the hold again), so call ``torch._dynamo.reset()`` with it.
+    """
+    with _lock:
+        if not _COMPILED_HOLD[0]:
+            return False
+        _COMPILED_HOLD[0] = False
+        release()
+    return True
+
+
+@_compat.at_trace_time
+def _traced_from_user_code() -> bool:
+    """:func:`from_user_code` while dynamo traces: the file of the frame it traces above the op's wrapper."""
+    files = _compat.traced_files()
+    return len(files) >= 2 and file_is_user_code(files[-2])
 
 
 @contextlib.contextmanager
@@ -472,7 +517,9 @@ def _wrap(original: Callable[..., Any], op: str) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if getattr(_local, "depth", 0) or not from_user_code(1):
+        if getattr(_local, "depth", 0):
+            return original(*args, **kwargs)
+        if not (_traced_from_user_code() if _compat.compiling() else from_user_code(1)):
             return original(*args, **kwargs)
         return _call(op, original, args, kwargs)
 
