@@ -197,7 +197,12 @@ def subject(name: str, mode: str, policy: str | None, compute: str) -> Subject:
     """The model of ``mode`` (``native``, ``mpx`` or ``float32``), one per process: the aspects share it."""
     key = (name, mode, policy, compute)
     if key not in _SUBJECTS:
-        _SUBJECTS[key] = Subject(name, mode, policy, compute)
+        if name == "keras_gpt2":  # keras-hub's, through mpx_jax.autocast (Keras imported for it only)
+            from mpx_tools.models.keras_on_jax import KerasSubject
+
+            _SUBJECTS[key] = KerasSubject(name, mode, policy, compute)  # type: ignore[assignment]
+        else:
+            _SUBJECTS[key] = Subject(name, mode, policy, compute)
     return _SUBJECTS[key]
 
 
@@ -216,7 +221,7 @@ PRIMITIVES = {"dot_general": "matmul", "conv_general_dilated": "conv", "exp": "s
 
 def op_dtypes(s: Subject, name: str, keep_float32: list[str]) -> dict:
     """Per kind the dtypes the forward computed it in (inputs' dtype), how often; the violations."""
-    norm = "layer_norm" if name == "nnx_gpt" else "batch_norm"
+    norm = "batch_norm" if name == "resnet" else "layer_norm"
     table_op = {"matmul": "matmul", "conv": "conv", "softmax": "softmax", "sum": "sum", "norm": norm}
     computed: dict[str, dict[str, int]] = {}
     violations: set[str] = set()
