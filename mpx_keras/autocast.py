@@ -99,6 +99,8 @@ import mpx
 from mpx.errors import MPXError
 from mpx.ops import OpClass, OpTable
 from mpx_keras import _compat
+from mpx_keras._holds import acquire, hold_for_compiled_code, holds, release, release_compiled, set_install
+from mpx_keras._holds import lock as _lock
 from mpx_keras._rule import Rule, active_global_rule, check_op_table
 from mpx_keras._user_code import LIBRARY_PACKAGES, MAX_TRACING_FRAMES, file_is_user_code, from_user_code
 from mpx_keras.dtype_policy import LayerChoices, choices_of
@@ -174,41 +176,8 @@ _local = threading.local()
 
 
 # -- installing the dispatch while a policy needs it ---------------------------------------------
-_lock = threading.RLock()
-_holds = 0
 #: (module, name, original, wrapper) of the functions replaced now; empty while no policy needs them.
 _INSTALLED: list[tuple[Any, str, Callable[..., Any], Callable[..., Any]]] = []
-
-
-def acquire() -> None:
-    """Take one hold on the op table's dispatch: the first hold installs it (thread-safe)."""
-    global _holds
-    with _lock:
-        if _holds == 0:
-            _install_all()
-        _holds += 1
-
-
-def release() -> None:
-    """Give back one hold (:func:`acquire`): the last one puts every original function back.
-
-    Raises:
-        MPXError: when no hold is taken (a release without its acquire).
-    """
-    global _holds
-    with _lock:
-        if _holds == 0:
-            raise MPXError(
-                "mpx_keras.autocast.release() without a matching acquire(): the op table holds none."
-            )
-        _holds -= 1
-        if _holds == 0:
-            _uninstall_all()
-
-
-def holds() -> int:
-    """How many holds keep the op table's dispatch installed now (0: every function is Keras's own)."""
-    return _holds
 
 
 def _needs_table(rule: Rule | None) -> bool:
@@ -224,7 +193,7 @@ def hold(rule: Rule | None) -> Callable[[], None]:
     if not _needs_table(rule):
         return _no_release
     if _compat.compiling():
-        _hold_for_compiled_code()
+        hold_for_compiled_code()
         return _no_release
     acquire()
     done = False
@@ -240,37 +209,6 @@ def hold(rule: Rule | None) -> Callable[[], None]:
 
 def _no_release() -> None:
     return None
-
-
-#: Whether dynamo's trace took the hold compiled code keeps (:func:`release_compiled`).
-_COMPILED_HOLD: list[bool] = [False]
-
-
-@_compat.at_trace_time
-def _hold_for_compiled_code() -> bool:
-    """Take, once and for real, the hold compiled code keeps, when nothing holds the dispatch while dynamo
-    traces: dynamo reads ``keras.ops.softmax`` (the wrapper) and guards on it, so the dispatch stays
-    installed for the compiled code's calls.  (Traced inside a scope that holds it, the code is compiled
-    again once the scope is left: its guards fail, as for a step traced under another policy.)"""
-    with _lock:
-        if not _COMPILED_HOLD[0] and _holds == 0:
-            acquire()
-            _COMPILED_HOLD[0] = True
-    return True
-
-
-def release_compiled() -> bool:
-    """Give back the hold ``torch.compile`` took (see :func:`hold`); True when there was one.
-
-    Code compiled since then finds Keras's own functions in place of the wrappers: its guards fail and
-    dynamo compiles it again (taking the hold again), so call ``torch._dynamo.reset()`` with it.
-    """
-    with _lock:
-        if not _COMPILED_HOLD[0]:
-            return False
-        _COMPILED_HOLD[0] = False
-        release()
-    return True
 
 
 @_compat.at_trace_time
@@ -499,7 +437,7 @@ def register_targets(
         MPXError: while the dispatch is installed (register before any policy is in force).
     """
     with _lock:
-        if _holds:
+        if holds():
             raise MPXError(
                 "mpx_keras.autocast.register_targets() while the op table's dispatch is installed: "
                 "register (import the backend package) before any mixed policy is in force."
@@ -599,6 +537,9 @@ def _uninstall_all() -> None:
         if getattr(module, name, None) is wrapper:  # replaced by someone else meanwhile: theirs stays
             setattr(module, name, original)
     _INSTALLED.clear()
+
+
+set_install(_install_all, _uninstall_all)
 
 
 _PLAN: list[list[Any]] = []
