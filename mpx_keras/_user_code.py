@@ -13,9 +13,10 @@ cached: the check is one frame lookup per call, plus the tracing frames inside
 
 The rule is the same on every Keras backend: a JAX trace (``jax.jit``, the jax
 trainer's step) runs the user's Python as written, so its frames are the
-user's; under torch's dynamo (``torch.compile``) the frames of the traced code are
-not Python's: :func:`file_is_user_code` reads the file of the frame dynamo
-traces above the op, at trace time.  Only module names are compared here: no framework is imported.
+user's; under torch's dynamo (``torch.compile``) the frames of the traced
+code are not Python's: :func:`file_is_user_code` reads the file of the frame
+dynamo traces above the op, at trace time.  Only module names are compared
+here: no framework is imported.
 """
 
 from __future__ import annotations

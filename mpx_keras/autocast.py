@@ -34,7 +34,8 @@ break of mpx's: which code calls an op is read from the frames dynamo traces,
 the hold is taken outside the trace, under the lock).  Compiled code guards on
 the wrappers, so a hold taken by a trace outside every scope stays (one per
 process) until :func:`release_compiled`.  Call a model once eagerly before
-compiling it: a layer mpx binds at its first call cannot be bound in a trace.  A function reference taken before the scope (``from keras.ops import
+compiling it: a layer mpx binds at its first call cannot be bound in a trace.
+A function reference taken before the scope (``from keras.ops import
 softmax`` at import) is Keras's own and never follows the table: call
 ``keras.ops.softmax`` (looked up at the call), or decorate your own function
 with :func:`autocast_op`.
