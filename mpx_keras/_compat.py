@@ -39,7 +39,9 @@ __all__ = [
     "StatelessScope",
     "backend",
     "check_optimizer",
+    "at_trace_time",
     "child_layers",
+    "compiling",
     "dtype_policy_parse_name",
     "get_keras_mask",
     "in_xla_context",
@@ -50,6 +52,7 @@ __all__ = [
     "optimizer_member",
     "set_dtype_policy_parse_name",
     "set_keras_mask",
+    "traced_files",
     "unlocked",
     "unsupported_on_backend",
     "untrack_variable",
@@ -70,6 +73,10 @@ def unsupported_on_backend(what: str, why: str) -> MPXError:
 
 def missing(framework: str, name: str, used_for: str) -> FrameworkVersionError:
     """The error for an internal ``name`` of ``framework`` (``"keras"`` here) this version lacks."""
+    if framework == "torch":  # dynamo, on Keras's torch backend
+        import torch
+
+        return missing_internal(framework, torch.__version__, name, used_for)
     if framework != "keras":
         import tensorflow as tf  # only mpx_tf asks for TensorFlow's internals
 
@@ -268,3 +275,33 @@ def optimizer_variable_index(optimizer: Any, variable: Any) -> int:
     """The index of ``variable`` in a built Keras optimizer's slots (Keras's private ``_get_variable_index``)."""
     index = _attribute("keras", optimizer, "_get_variable_index", "finding an optimizer's slot (PolicyOptimizer)")
     return int(index(variable))
+
+
+# -- torch.compile (dynamo) on Keras's torch backend ------------------------------------------------
+def compiling() -> bool:
+    """Whether dynamo is tracing this call now (``torch.compile``, ``jit_compile=True`` on Keras's torch backend);
+    False on the other backends.  Dynamo reads it as the constant True while it traces."""
+    if backend() != "torch":
+        return False
+    import torch
+
+    return bool(torch.compiler.is_compiling())
+
+
+def at_trace_time(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark ``fn`` to run for real (not traced) while dynamo traces, its result a constant of the graph
+    (``torch.compiler.assume_constant_result``): for what dynamo cannot trace (a lock, Python's frames).
+    ``fn`` must return a constant (a bool) and depend on nothing a guard would have to check."""
+    if backend() != "torch":
+        return fn
+    import torch
+
+    return _attribute("torch", torch, "compiler.assume_constant_result", "mpx_keras's trace-time bookkeeping")(fn)
+
+
+def traced_files() -> list[str]:
+    """The source files of the frames dynamo is tracing now, outermost first (the frames of the code it
+    traces are not Python's frames: ``sys._getframe`` cannot see them); [] when it traces nothing.
+    Call it from a function marked :func:`at_trace_time`."""
+    guards = _module_attribute("torch", "torch._guards", "TracingContext", "which code calls an op under dynamo")
+    return [frame.filename for frame in guards.extract_stack()]

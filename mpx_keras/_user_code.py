@@ -13,8 +13,10 @@ cached: the check is one frame lookup per call, plus the tracing frames inside
 
 The rule is the same on every Keras backend: a JAX trace (``jax.jit``, the jax
 trainer's step) runs the user's Python as written, so its frames are the
-user's; torch's dynamo runs an op it cannot trace eagerly, from the user's
-(resumed) frame.  Only module names are compared here: no framework is imported.
+user's; under torch's dynamo (``torch.compile``) the frames of the traced
+code are not Python's: :func:`file_is_user_code` reads the file of the frame
+dynamo traces above the op, at trace time.  Only module names are compared
+here: no framework is imported.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import sys
 import sysconfig
 from typing import Any
 
-__all__ = ["LIBRARY_PACKAGES", "MAX_TRACING_FRAMES", "from_user_code"]
+__all__ = ["LIBRARY_PACKAGES", "MAX_TRACING_FRAMES", "file_is_user_code", "from_user_code"]
 
 # Where the op table applies: "user code" (see the module docs).  A frame's kind is decided once per file.
 _USER, _LIBRARY, _TRACING = 0, 1, 2
@@ -118,3 +120,15 @@ def from_user_code(depth: int = 1) -> bool:
         if frame is None:
             return False
     return False
+
+
+def file_is_user_code(filename: str) -> bool:
+    """Whether code of the source file ``filename`` is user code, told by the file alone: what dynamo shows of
+    the frames it traces (no module globals: a library run from a source checkout outside ``site-packages``
+    counts as user code there; every installed library is told apart as eagerly)."""
+    if filename.startswith("<"):
+        return True
+    kind = _KINDS.get(filename)
+    if kind is None:
+        kind = _KINDS[filename] = _LIBRARY if os.path.realpath(filename).startswith(_LIBRARY_DIRS) else _USER
+    return kind == _USER

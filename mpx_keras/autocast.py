@@ -28,10 +28,14 @@ identical (``is``) to Keras's own.  Wrappers only run in Python: inside a
 traced step (``tf.function``, ``jax.jit``, and so ``model.fit`` on TensorFlow
 and JAX) they run once, at trace time, and the traced program holds nothing
 but the casts.  On torch, ``fit`` runs the step eagerly, and each call goes
-through the wrapper; with ``jit_compile=True`` (``torch.compile``) dynamo
-cannot trace a wrapper (it reads Python frames): each dispatched op of user
-code runs eagerly between compiled graphs (a graph break), with the right
-dtypes.  A function reference taken before the scope (``from keras.ops import
+through the wrapper; under ``torch.compile`` (``jit_compile=True``) dynamo
+traces the wrappers as jax.jit does, the choices made at trace time (no graph
+break of mpx's: which code calls an op is read from the frames dynamo traces,
+the hold is taken outside the trace, under the lock).  Compiled code guards on
+the wrappers, so a hold taken by a trace outside every scope stays (one per
+process) until :func:`release_compiled`.  Call a model once eagerly before
+compiling it: a layer mpx binds at its first call cannot be bound in a trace.
+A function reference taken before the scope (``from keras.ops import
 softmax`` at import) is Keras's own and never follows the table: call
 ``keras.ops.softmax`` (looked up at the call), or decorate your own function
 with :func:`autocast_op`.
@@ -96,8 +100,10 @@ import mpx
 from mpx.errors import MPXError
 from mpx.ops import OpClass, OpTable
 from mpx_keras import _compat
+from mpx_keras._holds import acquire, hold_for_compiled_code, holds, release, release_compiled, set_install
+from mpx_keras._holds import lock as _lock
 from mpx_keras._rule import Rule, active_global_rule, check_op_table
-from mpx_keras._user_code import LIBRARY_PACKAGES, MAX_TRACING_FRAMES, from_user_code
+from mpx_keras._user_code import LIBRARY_PACKAGES, MAX_TRACING_FRAMES, file_is_user_code, from_user_code
 from mpx_keras.dtype_policy import LayerChoices, choices_of
 
 __all__ = [
@@ -121,6 +127,7 @@ __all__ = [
     "nested_rule",
     "register_targets",
     "release",
+    "release_compiled",
     "wrapped_functions",
 ]
 
@@ -170,41 +177,8 @@ _local = threading.local()
 
 
 # -- installing the dispatch while a policy needs it ---------------------------------------------
-_lock = threading.RLock()
-_holds = 0
 #: (module, name, original, wrapper) of the functions replaced now; empty while no policy needs them.
 _INSTALLED: list[tuple[Any, str, Callable[..., Any], Callable[..., Any]]] = []
-
-
-def acquire() -> None:
-    """Take one hold on the op table's dispatch: the first hold installs it (thread-safe)."""
-    global _holds
-    with _lock:
-        if _holds == 0:
-            _install_all()
-        _holds += 1
-
-
-def release() -> None:
-    """Give back one hold (:func:`acquire`): the last one puts every original function back.
-
-    Raises:
-        MPXError: when no hold is taken (a release without its acquire).
-    """
-    global _holds
-    with _lock:
-        if _holds == 0:
-            raise MPXError(
-                "mpx_keras.autocast.release() without a matching acquire(): the op table holds none."
-            )
-        _holds -= 1
-        if _holds == 0:
-            _uninstall_all()
-
-
-def holds() -> int:
-    """How many holds keep the op table's dispatch installed now (0: every function is Keras's own)."""
-    return _holds
 
 
 def _needs_table(rule: Rule | None) -> bool:
@@ -218,6 +192,9 @@ def hold(rule: Rule | None) -> Callable[[], None]:
     ``call`` of layers with an mpx policy (:mod:`mpx_keras.layer_policy`) call this.
     """
     if not _needs_table(rule):
+        return _no_release
+    if _compat.compiling():
+        hold_for_compiled_code()
         return _no_release
     acquire()
     done = False
@@ -233,6 +210,13 @@ def hold(rule: Rule | None) -> Callable[[], None]:
 
 def _no_release() -> None:
     return None
+
+
+@_compat.at_trace_time
+def _traced_from_user_code() -> bool:
+    """:func:`from_user_code` while dynamo traces: the file of the frame it traces above the op's wrapper."""
+    files = _compat.traced_files()
+    return len(files) >= 2 and file_is_user_code(files[-2])
 
 
 @contextlib.contextmanager
@@ -454,7 +438,7 @@ def register_targets(
         MPXError: while the dispatch is installed (register before any policy is in force).
     """
     with _lock:
-        if _holds:
+        if holds():
             raise MPXError(
                 "mpx_keras.autocast.register_targets() while the op table's dispatch is installed: "
                 "register (import the backend package) before any mixed policy is in force."
@@ -472,7 +456,9 @@ def _wrap(original: Callable[..., Any], op: str) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if getattr(_local, "depth", 0) or not from_user_code(1):
+        if getattr(_local, "depth", 0):
+            return original(*args, **kwargs)
+        if not (_traced_from_user_code() if _compat.compiling() else from_user_code(1)):
             return original(*args, **kwargs)
         return _call(op, original, args, kwargs)
 
@@ -552,6 +538,9 @@ def _uninstall_all() -> None:
         if getattr(module, name, None) is wrapper:  # replaced by someone else meanwhile: theirs stays
             setattr(module, name, original)
     _INSTALLED.clear()
+
+
+set_install(_install_all, _uninstall_all)
 
 
 _PLAN: list[list[Any]] = []

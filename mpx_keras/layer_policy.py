@@ -100,6 +100,12 @@ class LayerPolicy(_compat.ParsingDTypePolicy):
         entries = _compat.name_scope_stack()
         caller = getattr(entries[-1], "caller", None) if entries else None
         if isinstance(caller, keras.layers.Layer) and _BOUND not in caller.__dict__ and _holds(caller, self):
+            if _compat.compiling():  # dynamo would trace the binding (new per-instance methods): refused
+                raise MPXError(
+                    f"layer {caller.path or caller.name!r} (mpx policy {self.name!r}) is called for the first "
+                    "time under torch.compile: call the model once eagerly (or build it with Keras's fit, "
+                    "evaluate or predict) before compiling it, so mpx binds its layers outside the trace."
+                )
             bind(caller, here=_path_below(caller, entries))
         return None
 
@@ -194,7 +200,9 @@ def _wrapped(layer: keras.layers.Layer, name: str, cast: Any) -> Any:
 
     @functools.wraps(original)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        fn = earlier if earlier is not None else getattr(type(layer), name).__get__(layer)
+        # the class's function with the layer as a partial, not ``__get__``: dynamo binds that to the
+        # instance attribute (this wrapper), and recursed
+        fn = earlier if earlier is not None else functools.partial(getattr(type(layer), name), layer)
         return _run(layer, fn, args, kwargs, cast)
 
     return wrapper

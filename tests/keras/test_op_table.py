@@ -247,7 +247,7 @@ def _fit(model, jit_compile: bool) -> None:
     model.fit(np.ones((8, 3), "float32"), np.zeros((8, 3), "float32"), batch_size=4, epochs=1, verbose=0)
 
 
-# jit_compile=True on torch is torch.compile: dynamo graph-breaks at each dispatched op (slow to compile)
+# jit_compile=True on torch is torch.compile: dynamo traces the wrappers (tests/keras/test_torch_compile.py)
 FIT_CASES = [("mixed_float16", False), ("mixed_bfloat16", False), ("mixed_bfloat16", True)]
 
 

@@ -444,6 +444,7 @@ MODEL_NAMES = {
     "vit": "ViT",
     "nnx_gpt": "a small GPT in Flax NNX (scan over remat-ed layers)",
     "resnet": "a ResNet in Flax linen (BatchNorm batch statistics)",
+    "keras_gpt2": "keras-hub's GPT-2 on Keras's JAX backend, as a JAX function (model.stateless_call)",
 }
 
 

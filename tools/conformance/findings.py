@@ -233,8 +233,8 @@ def _classify(r: dict, params: dict) -> tuple[str, str, str]:
         return "scaler semantics", "medium", "accumulation"
     if group == "models" and isinstance(obs, dict):  # real models: what the aspect observed differs
         aspect = r["case"].rsplit(".", 1)[1]
-        if aspect == "ops" and obs.get("violations"):
-            return "precision hazard", "high", "models:ops"
+        if aspect == "ops" and obs.get("violations"):  # keras-hub's in the jax column: Keras's policy
+            return "precision hazard", "high", "models:keras-ops" if ".keras_" in r["case"] else "models:ops"
         if aspect == "overflow":
             return "scaler semantics", "high", "models:overflow"
         return "default differs", "low", "models"
@@ -261,6 +261,7 @@ SUBJECTS: dict[str, dict[str, str]] = {
     # the models group: each column's own mixed precision on real model code (mpx_tools.models.COLUMNS)
     "models": {"torch": "torch autocast", "tf": "Keras's mixed policy", "jax": "Flax's dtype argument",
                "keras-jax": "Keras's mixed policy on JAX", "keras-torch": "Keras's mixed policy on PyTorch"},
+    "keras-models": {"jax": "Keras's mixed policy on JAX (keras-hub's GPT-2 in the jax column)"},
     "fp8": {"torch": "torchao float8 training", "tf": "Keras float8 Dense", "jax": "Flax fp8_ops",
             "keras-jax": "Keras float8 Dense on JAX", "keras-torch": "Keras float8 Dense on PyTorch"},
     "blocks": {"torch": "torchao's mx_formats and rowwise float8 (emulated)",
@@ -429,6 +430,7 @@ TEXTS: dict[str, tuple[str, str, str]] = {
         "The observed value differs from the spec; see the case table.",
     ),
 }
+TEXTS["models:keras-ops"] = ("keras-models", *TEXTS["models:ops"][1:])  # keras-hub in the jax column
 
 
 def _list(names: list[str], limit: int = 8) -> str:

@@ -1,7 +1,8 @@
 """The ``models`` group in every column (issue 33, item 3): keras-hub backbones in tf, keras-jax and keras-torch,
-a Flax NNX GPT and a linen ResNet in jax.
+a Flax NNX GPT, a linen ResNet and keras-hub's GPT-2 through mpx_jax.autocast in jax.
 
-Each column runs a subset through the runner (one model per column: GPT-2 on Keras, the NNX GPT on JAX;
+Each column runs a subset through the runner (one model per column: GPT-2 on Keras, the NNX GPT on JAX, and
+in a run of its own keras-hub's GPT-2 in the jax column;
 ``mpx conformance --only models`` runs every model), in its own worker processes; this process imports no
 framework.  Under mpx every case passes or is skipped for a stated reason; natively the divergences found
 so far are detected and explained by one finding each.
@@ -20,25 +21,26 @@ from mpx_tools.workers import BACKENDS, is_installed
 
 #: column -> the models it runs here (the subset)
 SUBSET = {"tf": "gpt2", "keras-jax": "gpt2", "keras-torch": "gpt2", "jax": "nnx_gpt"}
+#: the runs of this module: (column, model), the subset and keras-hub's GPT-2 through mpx_jax.autocast in jax
+RUNS = [*SUBSET.items(), ("jax", "keras_gpt2")]
 #: (column, case) -> what the case's skip says: what the column cannot measure, natively and under mpx
 SKIPS = {
     ("tf", "models.gpt2.activations"): "TensorFlow has no public figure",
-    ("keras-torch", "models.gpt2.compile"): "torch.compile(fullgraph=True) cannot trace a keras-hub backbone",
 }
 #: the native divergences of the subset: Keras's policies compute the attention softmax in half; Flax NNX's
 #: attention (jax.nn.dot_product_attention, softmax in float32) asks XLA:CPU for a float16 x float16 ->
 #: float32 dot it cannot compile, so natively the float16 run raises
-NATIVE_DIVERGENCES = {"tf": ["models.gpt2.ops"], "keras-jax": ["models.gpt2.ops"],
-                      "keras-torch": ["models.gpt2.ops"], "jax": ["models.nnx_gpt.overflow"]}  # fmt: skip
+NATIVE_DIVERGENCES = {"gpt2": ["models.gpt2.ops"], "nnx_gpt": ["models.nnx_gpt.overflow"],
+                      "keras_gpt2": ["models.keras_gpt2.ops", "models.keras_gpt2.overflow"]}  # fmt: skip
 
 
-@pytest.fixture(scope="module", params=list(SUBSET))
+@pytest.fixture(scope="module", params=RUNS, ids=[f"{b}-{m}" if m == "keras_gpt2" else b for b, m in RUNS])
 def column(request, tmp_path_factory):
-    backend = request.param
+    backend, name = request.param
     if not is_installed(backend):
         pytest.skip(f"{BACKENDS[backend]} is not installed")
-    out = tmp_path_factory.mktemp(f"models-{backend}")
-    return backend, run([backend], out, only=f"models.{SUBSET[backend]}.", quiet=True)
+    out = tmp_path_factory.mktemp(f"models-{backend}-{name}")
+    return backend, name, run([backend], out, only=f"models.{name}.", quiet=True)
 
 
 def _rows(data: dict, backend: str, mode: str) -> dict[str, dict]:
@@ -46,9 +48,9 @@ def _rows(data: dict, backend: str, mode: str) -> dict[str, dict]:
 
 
 def test_every_case_passes_under_mpx_or_says_why_not(column):
-    backend, data = column
+    backend, name, data = column
     rows = _rows(data, backend, "mpx")
-    assert sorted(rows) == sorted(f"models.{SUBSET[backend]}.{a}" for a in M.ASPECTS)
+    assert sorted(rows) == sorted(f"models.{name}.{a}" for a in M.ASPECTS)
     for case, r in rows.items():
         if (backend, case) in SKIPS:
             assert r["status"] == "skip" and SKIPS[backend, case] in r["detail"], r
@@ -60,8 +62,8 @@ def test_every_case_passes_under_mpx_or_says_why_not(column):
 def test_what_mpx_observes(column):
     """The op dtypes, the core's scale trace with the overflowing step skipped bit-identically, the logits'
     error and the bytes kept for backward, as observed under mpx."""
-    backend, data = column
-    name, rows = SUBSET[backend], _rows(data, backend, "mpx")
+    backend, name, data = column
+    rows = _rows(data, backend, "mpx")
     ops = rows[f"models.{name}.ops"]["observed"]
     norm = "layer_norm"
     assert ops["computed"]["softmax"] == {"float32": 1} and set(ops["computed"][norm]) == {"float32"}
@@ -76,6 +78,9 @@ def test_what_mpx_observes(column):
     if (backend, f"models.{name}.compile") not in SKIPS:
         compiled = rows[f"models.{name}.compile"]["observed"]
         assert compiled["graphs"] == 1 and compiled["recompiles"] == 0 and compiled["calls_agree"] is True
+        if backend == "keras-torch":  # its first block, in one dynamo graph, as eager mpx computes it
+            assert compiled["breaks"] == 0 and compiled["equals_eager"] is True
+            assert compiled["compiled"] == "transformer_layer_0" and "is_not" in compiled["why_a_block"]
     if (backend, f"models.{name}.activations") not in SKIPS:
         kept = rows[f"models.{name}.activations"]["observed"]
         assert kept["bound"] == "1 x float32" and 0 < kept["bytes"] <= kept["float32_bytes"]
@@ -83,14 +88,19 @@ def test_what_mpx_observes(column):
 
 
 def test_native_runs_are_mpx_free_and_their_divergences_explained(column):
-    backend, data = column
+    backend, name, data = column
     assert data["backends"][backend]["mpx_free"] is True
     native = _rows(data, backend, "native")
     divergences = sorted(c for c, r in native.items() if r["status"] == "differs")
-    assert divergences == NATIVE_DIVERGENCES[backend], divergences
-    if backend == "jax":
+    assert divergences == NATIVE_DIVERGENCES[name], divergences
+    if name == "nnx_gpt":
         assert "F16_F16_F32" in native["models.nnx_gpt.overflow"]["detail"]
         assert native["models.nnx_gpt.ops"]["observed"]["violations"] == []  # softmax in float32 natively too
+    elif name == "keras_gpt2":  # Keras's mixed policy on jax, loss-scaled natively with Flax's DynamicScale
+        assert native["models.keras_gpt2.ops"]["observed"]["violations"] == ["softmax"]
+        overflow = native["models.keras_gpt2.overflow"]["observed"]
+        assert overflow["skipped"] == [2] and overflow["unchanged_on_skip"] is True
+        assert overflow["scales"] != C._trace(mpx.ScalerConfig(**M.OVERFLOW_CONFIG), list(M.OVERFLOW_FLAGS))
     else:
         assert native["models.gpt2.ops"]["observed"]["violations"] == ["softmax"]
         assert native["models.gpt2.overflow"]["status"] == "pass"  # Keras's LossScaleOptimizer
@@ -100,6 +110,9 @@ def test_native_runs_are_mpx_free_and_their_divergences_explained(column):
     assert sorted(c for f in found for c in f["cases"]) == divergences
     for f in found:
         assert "unexplained" not in f["topic"] and not f["topic"].startswith("other"), f
+    if name == "keras_gpt2":  # the softmax finding names Keras's policy, not Flax's dtype argument
+        ops = next(f for f in found if f["cases"] == ["models.keras_gpt2.ops"])
+        assert ops["title"].startswith("Keras's mixed policy on JAX") and "softmax" in ops["title"], ops
 
 
 def test_every_model_and_aspect_is_a_case_and_each_column_skips_what_it_does_not_run():

@@ -5,7 +5,8 @@ Each model (random weights, nothing downloaded) is one set of cases, one per asp
 :data:`COLUMNS` says which columns run it and with which code: Hugging Face Transformers' GPT-2, Llama,
 BERT, T5 and ViT on torch (``mpx_tools.models.torch``); keras-hub's GPT2, Llama and Bert backbones on
 Keras (``mpx_tools.models.keras``: the ``tf``, ``keras-jax`` and ``keras-torch`` columns); a Flax NNX
-GPT and a linen ResNet on JAX (``mpx_tools.models.flax``).  A column skips a model it has no code for,
+GPT and a linen ResNet on JAX (``mpx_tools.models.flax``), and keras-hub's GPT2 on JAX through
+``mpx_jax.autocast`` (``mpx_tools.models.keras_on_jax``).  A column skips a model it has no code for,
 saying which columns run it.  Each backend's module observes every aspect in both modes; natively the
 framework's own mixed precision runs, under mpx mpx's.  What is measured is deterministic: dtypes, trace
 or graph counts, the scale trace, bytes; the logits' error is a number checked against a bound.
@@ -19,7 +20,7 @@ from typing import Any
 from mpx_tools.skip import Skip
 
 #: The models, in report order.
-MODELS = ("gpt2", "llama", "bert", "t5", "vit", "nnx_gpt", "resnet")
+MODELS = ("gpt2", "llama", "bert", "t5", "vit", "nnx_gpt", "resnet", "keras_gpt2")
 KERAS_COLUMNS = ("tf", "keras-jax", "keras-torch")
 #: model -> the columns that run it, and with what (the report's words)
 COLUMNS: dict[str, dict[str, str]] = {
@@ -30,6 +31,8 @@ COLUMNS: dict[str, dict[str, str]] = {
     "vit": {"torch": "HF ViTForImageClassification"},
     "nnx_gpt": {"jax": "a Flax NNX GPT (mpx_tools.models.flax.MiniGPT)"},
     "resnet": {"jax": "a Flax linen ResNet (mpx_tools.models.flax.ResNet)"},
+    "keras_gpt2": {"jax": "keras-hub GPT2Backbone (Keras on jax) through mpx_jax.autocast; natively Keras's mixed "
+                          "policy (mpx_tools.models.keras_on_jax)"},
 }
 
 

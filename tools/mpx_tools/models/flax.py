@@ -141,6 +141,22 @@ def _resnet_variables() -> Any:
     )
 
 
+@functools.cache
+def _gpt_float32() -> tuple[Any, Any]:
+    """The float32 GPT's graph and state, built once per process in one jitted program (eagerly, each
+    initializer compiles per shape): every mode's GPT shares its parameters."""
+    return nnx.split(nnx.jit(lambda: MiniGPT(nnx.Rngs(params=0), dtype=jnp.float32))())
+
+
+def _gpt(dtype: Any) -> MiniGPT:
+    """A GPT computing in ``dtype`` with the float32 GPT's parameters (float32, as Flax keeps them): its graph
+    from ``nnx.eval_shape`` (nothing initialised or compiled), its state the float32 GPT's."""
+    graphdef, state = _gpt_float32()
+    if dtype != jnp.float32:
+        graphdef = nnx.split(nnx.eval_shape(lambda: MiniGPT(nnx.Rngs(params=0), dtype=dtype)))[0]
+    return nnx.merge(graphdef, state)
+
+
 TOKENS = np.asarray(jax.random.randint(jax.random.PRNGKey(5), (BATCH, SEQ + 1), 1, VOCAB)).copy()
 TOKENS[0, -3:] = 0  # padding
 IMAGES = np.asarray(jax.random.normal(jax.random.PRNGKey(7), (BATCH, 8, 8, 3)))
@@ -153,8 +169,8 @@ class Subject:
 
     def __init__(self, name: str, mode: str, policy: str | None, compute: str) -> None:
         dtype = JNP[compute] if mode == "native" else jnp.float32
-        if name == "nnx_gpt":  # built in one jitted program (eagerly, each initializer compiles per shape)
-            model = nnx.jit(lambda: MiniGPT(nnx.Rngs(params=0), dtype=dtype))()
+        if name == "nnx_gpt":
+            model = _gpt(dtype)
             if mode == "mpx":
                 _flax_policy().apply_policy(model, policy)
             graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -197,7 +213,12 @@ def subject(name: str, mode: str, policy: str | None, compute: str) -> Subject:
     """The model of ``mode`` (``native``, ``mpx`` or ``float32``), one per process: the aspects share it."""
     key = (name, mode, policy, compute)
     if key not in _SUBJECTS:
-        _SUBJECTS[key] = Subject(name, mode, policy, compute)
+        if name == "keras_gpt2":  # keras-hub's, through mpx_jax.autocast (Keras imported for it only)
+            from mpx_tools.models.keras_on_jax import KerasSubject
+
+            _SUBJECTS[key] = KerasSubject(name, mode, policy, compute)  # type: ignore[assignment]
+        else:
+            _SUBJECTS[key] = Subject(name, mode, policy, compute)
     return _SUBJECTS[key]
 
 
@@ -216,7 +237,7 @@ PRIMITIVES = {"dot_general": "matmul", "conv_general_dilated": "conv", "exp": "s
 
 def op_dtypes(s: Subject, name: str, keep_float32: list[str]) -> dict:
     """Per kind the dtypes the forward computed it in (inputs' dtype), how often; the violations."""
-    norm = "layer_norm" if name == "nnx_gpt" else "batch_norm"
+    norm = "batch_norm" if name == "resnet" else "layer_norm"
     table_op = {"matmul": "matmul", "conv": "conv", "softmax": "softmax", "sum": "sum", "norm": norm}
     computed: dict[str, dict[str, int]] = {}
     violations: set[str] = set()
