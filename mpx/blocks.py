@@ -62,7 +62,6 @@ __all__ = [
     "SCALE_RULES",
     "BlockRecipe",
     "is_block_recipe_dict",
-    "refuse_randomized_recipe",
     "storage_bytes",
 ]
 
@@ -276,15 +275,3 @@ def storage_bytes(recipe: BlockRecipe | str, role: str, shape: tuple[int, int], 
         + blocks * SCALE_BYTES[recipe.scale]
         + extra
     )
-
-
-def refuse_randomized_recipe(recipe: Any, where: str) -> None:
-    """Raise :class:`Float8Error` when ``recipe`` rounds stochastically or applies the Hadamard transform,
-    which ``where`` (a backend's entry point, e.g. ``"mpx_jax.blocks"``) does not run yet; nothing otherwise."""
-    if isinstance(recipe, BlockRecipe) and (recipe.rounding != "nearest" or recipe.hadamard):
-        raise Float8Error(
-            f"recipe: {where} does not run stochastic rounding or the Hadamard transform yet "
-            f"({recipe.name or 'a custom block recipe'}: rounding={recipe.rounding!r}, hadamard={recipe.hadamard}); "
-            "use a round-to-nearest recipe without the transform here (mxfp8, mxfp8_rceil, mxfp4, nvfp4, "
-            "fp8_blockwise, fp8_rowwise); torch (mpx_torch.blocks), JAX (mpx_jax.blocks) and the core's kernels run it."
-        )
