@@ -1,6 +1,6 @@
 """The CUDA checks of mpx_torch, as one script (not a test): run it on a machine with a GPU.
 
-    python tests/torch/cuda_check.py          # prints three sections, exits 1 on a failed check
+    python tests/torch/cuda_check.py          # prints six sections, exits 1 on a failed check
 
 1. CUDA autocast op dtypes, native torch.autocast vs mpx_torch.autocast, against mpx.result_dtype;
 2. GradScaler with fused AdamW under torch.cuda.set_sync_debug_mode("error") (no host sync);
@@ -9,12 +9,23 @@
    CPU reference (mpx.kernels.blocks with numpy) for mxfp8, mxfp8_rceil, nvfp4 and fp8_blockwise, and
    MXFP8 and blockwise FP8 GEMMs through torch._scaled_mm where this build and device support them
    (each one's error vs the emulated GEMM, and its throughput ratio vs a bf16 matmul); an unsupported
-   GEMM prints why (it is not a failure).
+   GEMM prints why (it is not a failure);
+5. DeepSpeed's fp16 engine (#32; it refuses this project's CPU machines where oneDNN has no float16):
+   mpx_torch.deepspeed.initialize under mixed_float16 with the deepspeed_fp16 scaler, ZeRO-2, one rank
+   (nccl): overflows injected at chosen steps, the engine's scale after every step (EngineScaler) equals
+   mpx.scaler_update's trace for the same flags bit for bit, and a skipped step leaves the float32
+   master partition bit-identical;
+6. FSDP2 with torchao's float8 all-gather (#32; gloo refuses float8 collectives, so mpx refuses it on a
+   CPU mesh): mpx_torch.fully_shard of a torchao Float8Linear model with
+   enable_fsdp_float8_all_gather=True on a one-GPU mesh trains (finite, falling loss) and its first
+   output equals the same model's without the float8 all-gather (one rank: the gathered weight is the
+   same).  Sections 5 and 6 print why when deepspeed or torchao is missing (not a failure).
 Without CUDA it says so and exits 0.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import statistics
 import sys
@@ -236,6 +247,115 @@ def blocks() -> int:
     return failures
 
 
+def _one_rank_group(backend: str = "nccl") -> None:
+    """A one-rank process group (sections 5 and 6), once (``backend="gloo"`` dry-runs section 5 on a CPU
+    whose oneDNN has float16: ``deepspeed_fp16("gloo")``)."""
+    import os
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
+                           ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29531")):  # fmt: skip
+            os.environ.setdefault(key, value)
+        dist.init_process_group(backend, rank=0, world_size=1)
+
+
+def deepspeed_fp16(backend: str = "nccl") -> int:
+    """Section 5 (module docs); returns the number of failed checks."""
+    print("== 5. DeepSpeed fp16 engine (ZeRO-2, one rank): scale trace vs mpx.scaler_update")
+    try:
+        import deepspeed  # noqa: F401
+
+        from mpx_torch.deepspeed import EngineScaler, initialize
+    except ImportError as err:
+        print(f"  deepspeed is not installed ({err}): pip install --no-deps deepspeed hjson einops py-cpuinfo ninja")
+        return 0
+    _one_rank_group(backend)
+    config = dataclasses.replace(mpx.SCALER_PRESETS["deepspeed_fp16"], growth_interval=2)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.LayerNorm(256), nn.GELU(), nn.Linear(256, 64))
+    base = {
+        "train_micro_batch_size_per_gpu": 32,
+        "zero_optimization": {"stage": 2},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+        "steps_per_print": 10**9,
+    }
+    engine, *_ = initialize(model, "mixed_float16", config, base=base, model_parameters=model.parameters())
+    scaler = EngineScaler(engine)
+    x = torch.randn(32, 64, device=engine.device)
+    overflows = {1, 2, 6, 7, 8}
+    flags, scales, failures = [], [], 0
+    for step in range(12):
+        before = [t.detach().clone() for t in engine.optimizer.single_partition_of_fp32_groups]
+        loss = engine(x).float().pow(2).mean()
+        if step in overflows:
+            loss = loss * float("inf")
+        engine.backward(loss)
+        engine.step()
+        flags.append(step not in overflows)
+        scales.append(scaler.get_scale())
+        if step in overflows:
+            after = engine.optimizer.single_partition_of_fp32_groups
+            same = all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+            failures += not same
+            if not same:
+                print(f"  step {step}: FAIL: the skipped step changed the float32 master partition")
+    state, want = mpx.scaler_init(scaler.config), []
+    for finite in flags:
+        state = mpx.scaler_update(scaler.config, state, finite)
+        want.append(state.scale)
+    same = scales == want
+    failures += not same
+    print(f"  engine scales {scales}")
+    print(f"  mpx trace     {want}: {'equal' if same else 'FAIL: differ'}")
+    return failures
+
+
+def fsdp_float8_all_gather() -> int:
+    """Section 6 (module docs); returns the number of failed checks."""
+    import copy
+
+    print("== 6. FSDP2 + torchao float8 all-gather (one-GPU mesh) under mpx_torch.fully_shard")
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError as err:
+        print(f"  torchao is not installed ({err})")
+        return 0
+    from torch.distributed.device_mesh import init_device_mesh
+
+    _one_rank_group()
+    torch.manual_seed(0)
+    dense = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256)).cuda()
+    x = torch.randn(64, 256, device="cuda")
+    outputs, losses = [], []
+    for gather in (False, True):
+        model = convert_to_float8_training(
+            copy.deepcopy(dense), config=Float8LinearConfig(enable_fsdp_float8_all_gather=gather)
+        )
+        mpx_torch.fully_shard(model, "mixed_bfloat16", mesh=init_device_mesh("cuda", (1,)))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        run = []
+        for step in range(8):
+            with mpx_torch.autocast("mixed_bfloat16"):
+                out = model(x)
+            if step == 0:
+                outputs.append(out.detach().float())
+            loss = (out.float() - x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            run.append(float(loss))
+        losses.append(run)
+    failures = 0
+    same = torch.equal(outputs[0], outputs[1])
+    falls = all(l[-1] < l[0] and all(v == v and abs(v) != float("inf") for v in l) for l in losses)  # noqa: E741
+    failures += (not same) + (not falls)
+    print(f"  first output with and without the float8 all-gather: {'equal' if same else 'FAIL: differ'}")
+    print(f"  loss (float8 all-gather) {losses[1][0]:.4f} -> {losses[1][-1]:.4f}: {'falls' if falls else 'FAIL'}")
+    return failures
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to check")
@@ -244,6 +364,8 @@ def main() -> int:
     failures = op_dtypes() + no_sync()
     step_times()
     failures += blocks()
+    failures += deepspeed_fp16()
+    failures += fsdp_float8_all_gather()
     return 1 if failures else 0
 
 
