@@ -19,6 +19,7 @@ that fails the test as Lightning wrote it is an ``xfail(strict=True)`` with the 
 this file if mpx ever starts to behave as Lightning does there).  docs/integrations.md lists them.
 """
 
+import atexit
 import os
 import re
 from unittest import mock
@@ -38,6 +39,20 @@ from torch.optim import Optimizer  # noqa: E402
 
 from mpx_torch import GradScaler  # noqa: E402
 from mpx_torch.lightning import MPXFabricPrecision, MPXPrecision  # noqa: E402
+
+
+def _destroy_process_group_at_exit():
+    """Destroy a live process group while the interpreter is still whole (what Lightning registers for NCCL only)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+# mpx: the processes `ddp_spawn` starts import this module (they unpickle its functions and models), so each
+# registers this.  Lightning 2.6.6 destroys the process group at exit for NCCL only (fabric/utilities/
+# distributed.py:285-287); a gloo rank that exits with its group alive can abort while the interpreter
+# finalizes, its worker threads still holding tensors ("terminate called without an active exception",
+# pytorch/pytorch#190489, #179291): CI's torch suite failed that way once in test_amp's bf16 case.
+atexit.register(_destroy_process_group_at_exit)
 
 
 class MixedPrecision(MPXPrecision):
