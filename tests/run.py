@@ -34,8 +34,7 @@ SUITES: list[tuple[str, str | None, list[str]] | tuple[str, str | None, list[str
     ("bench", None, ["tools/mpx_tools", "tools/mpx_bench", "tools/mpx_compare", "tests/bench"]),
     ("conformance", None, ["tools/conformance"]),
 ]
-#: each suite's slowest tests are listed (CI's time budget is read from them; the CPU model sets the pace:
-#: the same suite took 2818 s on one CI machine and 7271 s on an AMD EPYC without AVX-512, stop 40)
+#: how many of each suite's slowest tests pytest lists (--durations): where CI's time budget goes
 SLOWEST = 15
 COUNTS = re.compile(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed)")
 
