@@ -80,6 +80,18 @@ def _skip_rows(backend: str, why: str, only: str | None) -> list[dict]:
     ]
 
 
+def select(data: dict, backend: str, only: str | None) -> dict:
+    """The part of the report ``data`` that ``run([backend], out, only=only)`` gives: ``backend``'s rows (and
+    its crashed-worker row, if any) of the cases ``only`` selects, those cases, and ``backend``'s metadata."""
+    ids = {case for case in data["cases"] if matches(case, only)}
+    return {
+        **data,
+        "backends": {backend: data["backends"][backend]},
+        "cases": {case: spec for case, spec in data["cases"].items() if case in ids},
+        "results": [r for r in data["results"] if r["backend"] == backend and (r["case"] in ids or r["case"] == "worker")],
+    }  # fmt: skip
+
+
 class NothingToRun(ValueError):
     """``--only`` selects no case."""
 
@@ -120,7 +132,9 @@ def _run(backends: list[str], only: str | None, quiet: bool) -> dict:
     meta: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="mpx-states-") as states:
         cases_file = C.write(cases, Path(states) / "cases.json")
-        for backend in installed:  # each backend saves the state the others resume from
+        # each backend a selected portability case resumes from saves its state first
+        sources = {c["params"]["source"] for c in cases if c["kind"] == "portability"}
+        for backend in (b for b in installed if b in sources):
             subprocess.run(
                 [sys.executable, "-m", "conformance.worker", backend, "--states", states, "--save-states"],
                 env=worker_env(backend), cwd=ROOT, capture_output=True, text=True,

@@ -20,19 +20,10 @@ from mpx_tools.workers import BACKENDS, is_installed
 
 #: Keras on JAX and on PyTorch (issue 24) run a selection of the cases in a fixture of their own
 #: (``keras_data``), so they add about two minutes; ``mpx conformance --backend keras-jax`` runs every case.
+#: ``data``, the full run of the other columns, is conftest's (the browser test renders its report).
 KERAS_NEW = ("keras-jax", "keras-torch")
 INSTALLED = [b for b in BACKENDS if is_installed(b) and b not in KERAS_NEW]
 CASE_IDS = [c["id"] for c in C.all_cases()]
-
-
-@pytest.fixture(scope="session")
-def data(tmp_path_factory):
-    if not INSTALLED:
-        pytest.skip("no framework is installed")
-    out = tmp_path_factory.mktemp("report")
-    result = run(INSTALLED, out, quiet=True)
-    result["out"] = out
-    return result
 
 
 def _result(data, backend, case, mode):

@@ -1,11 +1,12 @@
 """The ``models`` group in every column (issue 33, item 3): keras-hub backbones in tf, keras-jax and keras-torch,
 a Flax NNX GPT, a linen ResNet and keras-hub's GPT-2 through mpx_jax.autocast in jax.
 
-Each column runs a subset through the runner (one model per column: GPT-2 on Keras, the NNX GPT on JAX, and
-in a run of its own keras-hub's GPT-2 in the jax column;
-``mpx conformance --only models`` runs every model), in its own worker processes; this process imports no
-framework.  Under mpx every case passes or is skipped for a stated reason; natively the divergences found
-so far are detected and explained by one finding each.
+Each column is checked on a subset (one model per column: GPT-2 on Keras, the NNX GPT on JAX, and
+keras-hub's GPT-2 in the jax column; ``mpx conformance --only models`` runs every model): the tf and jax
+columns' rows come from the session's full run (conftest's ``data``), keras-jax and keras-torch run theirs
+through the runner, in their own worker processes; this process imports no framework.  Under mpx every
+case passes or is skipped for a stated reason; natively the divergences found so far are detected and
+explained by one finding each.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import pytest
 
 import mpx
 from conformance import cases as C
-from conformance.runner import run
+from conformance.runner import run, select
 from mpx_tools import models as M
 from mpx_tools.skip import Skip
 from mpx_tools.workers import BACKENDS, is_installed
@@ -39,6 +40,8 @@ def column(request, tmp_path_factory):
     backend, name = request.param
     if not is_installed(backend):
         pytest.skip(f"{BACKENDS[backend]} is not installed")
+    if backend in request.getfixturevalue("full_columns"):  # the session's full run has every case of these
+        return backend, name, select(request.getfixturevalue("data"), backend, f"models.{name}.")
     out = tmp_path_factory.mktemp(f"models-{backend}-{name}")
     return backend, name, run([backend], out, only=f"models.{name}.", quiet=True)
 

@@ -2,8 +2,8 @@
 plot visible, a screenshot of the first screen written.
 
 Chromium is driven through the DevTools protocol by the small websocket client below (stdlib only).
-The report comes from a real, short run (``--only scaler,numerics.softmax,numerics.mlp,skip`` on every
-installed backend; workers in their own processes, this one imports no framework).  Without Chromium
+The report is the session's full run (conftest's ``data``: every case on every installed column but
+keras-jax and keras-torch; workers in their own processes, this one imports no framework).  Without Chromium
 the tests skip, except under CI (``CI=true``), where `.ci/run` installs Debian's ``chromium``.
 """
 
@@ -24,11 +24,6 @@ from typing import Any
 
 import pytest
 
-from conformance.runner import run
-from mpx_tools.workers import BACKENDS, is_installed
-
-INSTALLED = [b for b in BACKENDS if is_installed(b)]
-ONLY = "scaler,numerics.softmax,numerics.mlp,skip"
 WIDTH, HEIGHT = 1400, 1000
 
 
@@ -184,25 +179,23 @@ def render(page: Path, screenshot: Path, expression: str = VISIBLE_JS) -> tuple[
 
 
 @pytest.fixture(scope="module")
-def rendered(tmp_path_factory):
+def rendered(data, tmp_path_factory):
     _chromium()
-    if not INSTALLED:
-        pytest.skip("no framework is installed")
-    out = tmp_path_factory.mktemp("browser") / "report"
-    data = run(INSTALLED, out, only=ONLY, quiet=True)
-    errors, found = render(out / "report.html", out / "screenshot.png")
-    return data, out, errors, found
+    shots = tmp_path_factory.mktemp("browser")
+    errors, found = render(data["out"] / "report.html", shots / "screenshot.png")
+    return data, data["out"], shots, errors, found
 
 
 def test_no_console_errors(rendered):
-    _, _, errors, _ = rendered
+    *_, errors, _ = rendered
     assert errors == []
 
 
 def test_summary_findings_and_every_plot_are_visible(rendered):
-    data, out, _, found = rendered
+    data, out, _, _, found = rendered
     plots = sorted(p.name for p in (out / "plots").iterdir())
-    assert len(plots) == 2 * len(INSTALLED)  # numerics and traces per backend
+    ran = [b for b, meta in data["backends"].items() if not meta.get("skipped")]
+    assert len(plots) == 2 * len(ran) >= 2  # numerics and traces per backend
     for sel in ("#summary", "#legend", "#findings", "#plots"):
         assert found[sel] == {"count": 1, "visible": 1, "top": found[sel]["top"]}, sel
     assert found["#findings tr.finding"]["count"] == len(data["findings"]) >= 1
@@ -213,14 +206,14 @@ def test_summary_findings_and_every_plot_are_visible(rendered):
 
 
 def test_screenshot_of_the_first_screen_is_written(rendered):
-    _, out, _, _ = rendered
-    png = (out / "screenshot.png").read_bytes()
+    _, _, shots, _, _ = rendered
+    png = (shots / "screenshot.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     width, height = struct.unpack(">II", png[16:24])
     assert (width, height) == (WIDTH, HEIGHT)
     target = os.environ.get("MPX_SCREENSHOT")
     if target:  # keep it for a person to look at
-        shutil.copyfile(out / "screenshot.png", target)
+        shutil.copyfile(shots / "screenshot.png", target)
 
 
 def test_the_checks_catch_a_broken_page(tmp_path):

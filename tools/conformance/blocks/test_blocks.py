@@ -8,7 +8,6 @@ are still found, each named (a framework upgrade that changes them shows here).
 from __future__ import annotations
 
 import json
-import time
 
 import numpy as np
 import pytest
@@ -96,15 +95,12 @@ MISSING = {"torch": {"fp8_blockwise"}, "jax": {"mxfp4", "fp8_blockwise", "fp8_ro
 
 
 @pytest.mark.parametrize("backend", ["torch", "tf", "jax", "keras-jax", "keras-torch"])
-def test_backend_runs_the_blocks_group(backend, tmp_path):
+def test_backend_runs_the_blocks_group(backend, group_report):
     from conformance.findings import findings
-    from conformance.runner import run
 
     if not is_installed(backend):
         pytest.skip(f"{BACKENDS[backend]} is not installed")
-    start = time.perf_counter()
-    data = run([backend], tmp_path / "report", only="blocks", quiet=True)
-    took = time.perf_counter() - start
+    data = group_report(backend, "blocks")
     rows = {(r["case"], r["mode"]): r for r in data["results"]}
     assert {c for c, _ in rows} == {c["id"] for c in CASES}, [
         r for r in data["results"] if r["case"] == "worker"
@@ -120,4 +116,3 @@ def test_backend_runs_the_blocks_group(backend, tmp_path):
     }
     assert {c for c, t in topics.items() if t == "blocks-missing"} == missing
     assert {c: t for c, t in topics.items() if t != "blocks-missing"} == KNOWN.get(backend, {}), topics
-    print(f"{backend}: the blocks group took {took:.1f} s")

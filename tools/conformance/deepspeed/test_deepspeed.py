@@ -12,7 +12,6 @@ import importlib.util
 import itertools
 import json
 import struct
-import time
 
 import pytest
 
@@ -100,15 +99,12 @@ def _bits(values: list[float]) -> list[bytes]:
     return [struct.pack("<f", v) for v in values]
 
 
-def test_the_torch_column_runs_deepspeed_s_own_scalers(tmp_path):
+def test_the_torch_column_runs_deepspeed_s_own_scalers(group_report):
     from conformance.findings import findings
-    from conformance.runner import run
 
     if not is_installed("torch"):
         pytest.skip("torch is not installed")
-    start = time.perf_counter()
-    data = run(["torch"], tmp_path / "report", only="deepspeed", quiet=True)
-    took = time.perf_counter() - start
+    data = group_report("torch", "deepspeed")
     rows = {(r["case"], r["mode"]): r for r in data["results"]}
     assert {c for c, _ in rows} == set(BY_ID), [r for r in data["results"] if r["case"] == "worker"]
     assert data["backends"]["torch"]["mpx_free"] is True
@@ -129,4 +125,3 @@ def test_the_torch_column_runs_deepspeed_s_own_scalers(tmp_path):
         assert native[case]["observed"]["raised_at"] == rows[(case, "mpx")]["observed"]["raised_at"]
     topics = {c: f["topic"].split(":", 3)[3] for f in findings(data) for c in f["cases"]}
     assert topics == KNOWN
-    print(f"torch: the deepspeed group took {took:.1f} s")

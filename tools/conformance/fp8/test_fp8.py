@@ -142,13 +142,12 @@ KNOWN["keras-torch"] = dict(KERAS)  # torch's CPU kernels keep subnormals: those
 
 
 @pytest.mark.parametrize("backend", ["torch", "tf", "jax", "keras-jax", "keras-torch"])
-def test_backend_runs_the_fp8_group(backend, tmp_path):
+def test_backend_runs_the_fp8_group(backend, group_report):
     from conformance.findings import findings
-    from conformance.runner import run
 
     if not is_installed(backend):
         pytest.skip(f"{BACKENDS[backend]} is not installed")
-    data = run([backend], tmp_path / "report", only="fp8", quiet=True)
+    data = group_report(backend, "fp8")
     rows = {(r["case"], r["mode"]): r for r in data["results"]}
     assert {c for c, _ in rows} == {c["id"] for c in CASES}, [
         r for r in data["results"] if r["case"] == "worker"
