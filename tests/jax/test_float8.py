@@ -60,6 +60,8 @@ def test_quantize_bytes_equal_the_reference(values, scale, fmt, spread):
     x = np.asarray(values, np.float32)
     # overflowing values: the same numbers spread past fp8_max
     x = np.concatenate([x, (x * np.float32(spread)).astype(np.float32)]) if np.all(np.isfinite(x)) else x
+    # one length (zeros after): every example reuses one compiled quantize per format, jit and eager
+    x = np.pad(x, (0, 128 - x.size))
     ref = core.quantize(x, scale, fmt)
     _same_fp8(_quantize_jit(x, np.float32(scale), fmt), ref, fmt)
     _same_fp8(f8.quantize(x, np.float32(scale), fmt), ref, fmt)  # eager
@@ -118,7 +120,7 @@ amax_values = st.one_of(
 )
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=60, deadline=None)  # each example compiles its recipe's function: about 0.4 s
 @given(recipes, st.lists(amax_values, min_size=1, max_size=32), st.sampled_from(["e4m3", "e5m2"]))
 def test_compute_scale_equals_the_reference(recipe, amaxes, fmt):
     a = np.asarray(amaxes, np.float32)
@@ -132,7 +134,7 @@ def test_compute_scale_at_the_floor_and_the_ceiling():
     # margins that put the exact scale around float32's smallest normal (the floor) and amaxes whose
     # quotient overflows float32 (the ceiling)
     rng = np.random.default_rng(0)
-    mant = (rng.integers(0, 2**23, 4000).astype(np.uint32) | np.uint32(127 << 23)).view(np.float32)
+    mant = (rng.integers(0, 2**23, 1000).astype(np.uint32) | np.uint32(127 << 23)).view(np.float32)
     for fmt in ("e4m3", "e5m2"):
         for margin, shift in ((1, 100), (2, 100), (20, 100), (25, 100), (40, 90), (0, -120), (3, -140)):
             recipe = Float8Recipe(margin=margin)
@@ -167,7 +169,7 @@ step_amax = st.one_of(
 )
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=25, deadline=None)  # each example compiles its recipe's update
 @given(
     recipes,
     st.lists(

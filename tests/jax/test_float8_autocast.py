@@ -43,10 +43,16 @@ def _dtypes_in(jaxpr_text):
     return {t for t in ("f8_e4m3fn", "f8_e5m2") if t in jaxpr_text}
 
 
-matrices = st.tuples(st.integers(1, 6), st.integers(1, 24), st.integers(1, 6), st.integers(0, 2**32 - 1))
+# a few sizes, so examples share shapes: eager autocast compiles each op once per shape (about 3 s a shape)
+matrices = st.tuples(
+    st.sampled_from([1, 3, 6]),
+    st.sampled_from([1, 5, 24]),
+    st.sampled_from([1, 6]),
+    st.integers(0, 2**32 - 1),
+)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(matrices, st.floats(min_value=2.0**-20, max_value=2.0**20), st.sampled_from([F32_FP8, F32_E4M3]))
 def test_the_product_equals_the_core_fp8_dot(shape, spread, spec):
     m, k, n, seed = shape

@@ -6,7 +6,6 @@ import json
 
 import keras
 import numpy as np
-import pytest
 
 import mpx
 import mpx_keras
@@ -14,25 +13,27 @@ import mpx_keras
 BACKEND = keras.config.backend()
 OTHERS = [b for b in ("tensorflow", "jax", "torch") if b != BACKEND]
 
+#: loads each model in PATHS and prints one JSON line per model (X_JSON and PATHS are prepended)
 LOAD = r"""
-import json, sys, numpy as np, keras, mpx_keras
-model = keras.models.load_model(sys.argv[1] if len(sys.argv) > 1 else {path!r})
-opt = model.optimizer
-x = np.asarray(json.loads({x!r}), np.float32)
-out = model(x)
-print(json.dumps({{
-    "dtypes": {{l.name: [l.compute_dtype, l.variable_dtype] for l in model.layers}},
-    "policies": {{l.name: l.dtype_policy.name for l in model.layers}},
-    "out_dtype": keras.backend.standardize_dtype(out.dtype),
-    "out": keras.ops.convert_to_numpy(keras.ops.cast(out, "float32")).tolist(),
-    "optimizer": type(opt).__module__ + "." + type(opt).__name__,
-    "state": opt.state_dict(),
-}}))
+import json, numpy as np, keras, mpx_keras
+x = np.asarray(json.loads(X_JSON), np.float32)
+for path in PATHS:
+    model = keras.models.load_model(path)
+    opt = model.optimizer
+    out = model(x)
+    print(json.dumps({
+        "dtypes": {l.name: [l.compute_dtype, l.variable_dtype] for l in model.layers},
+        "policies": {l.name: l.dtype_policy.name for l in model.layers},
+        "out_dtype": keras.backend.standardize_dtype(out.dtype),
+        "out": keras.ops.convert_to_numpy(keras.ops.cast(out, "float32")).tolist(),
+        "optimizer": type(opt).__module__ + "." + type(opt).__name__,
+        "state": opt.state_dict(),
+    }))
 """
+POLICIES = ["mixed_float16", "mixed_bfloat16"]
 
 
-@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
-def test_save_here_load_on_every_backend(policy, tmp_path, python_on):
+def _trained(policy: str, x: np.ndarray) -> keras.Model:
     with mpx_keras.policy_scope(policy):
         model = keras.Sequential(
             [keras.Input((3,)), keras.layers.Dense(4, name="d"), keras.layers.LayerNormalization(name="ln"),
@@ -43,24 +44,46 @@ def test_save_here_load_on_every_backend(policy, tmp_path, python_on):
         keras.optimizers.Adam(), mpx.ScalerConfig(init_scale=256.0, growth_interval=1)
     )
     model.compile(optimizer=opt, loss="mse")
-    x = np.linspace(-1, 1, 12, dtype=np.float32).reshape(4, 3)
     model.fit(x, np.ones((4, 2), np.float32), verbose=0)
-    path = tmp_path / "model.keras"
-    model.save(path)
-    here = {
+    return model
+
+
+def _seen(model: keras.Model, x: np.ndarray) -> dict:
+    out = model(x)
+    return {
         "dtypes": {layer.name: [layer.compute_dtype, layer.variable_dtype] for layer in model.layers},
-        "out": keras.ops.convert_to_numpy(keras.ops.cast(model(x), "float32")),
-        "state": opt.state_dict(),
+        "policies": {layer.name: layer.dtype_policy.name for layer in model.layers},
+        "out_dtype": keras.backend.standardize_dtype(out.dtype),
+        "out": keras.ops.convert_to_numpy(keras.ops.cast(out, "float32")),
+        "optimizer": type(model.optimizer).__module__ + "." + type(model.optimizer).__name__,
+        "state": model.optimizer.state_dict(),
     }
-    assert here["state"]["scale"] == 512.0
-    code = LOAD.format(path=str(path), x=json.dumps(x.tolist()))
-    for backend in [BACKEND, *OTHERS]:
-        proc = python_on(code, backend)
+
+
+def test_save_here_load_on_every_backend(tmp_path, python_on):
+    """Each policy's model saved here loads here and, in one fresh process per other backend, there."""
+    x = np.linspace(-1, 1, 12, dtype=np.float32).reshape(4, 3)
+    paths, saved = [], []
+    for policy in POLICIES:
+        model = _trained(policy, x)
+        paths.append(str(tmp_path / f"{policy}.keras"))
+        model.save(paths[-1])
+        here = _seen(model, x)
+        assert here["state"]["scale"] == 512.0, policy
+        saved.append(here)
+    loaded = {BACKEND: [_seen(keras.models.load_model(path), x) for path in paths]}
+    for backend in OTHERS:
+        proc = python_on(f"X_JSON = {json.dumps(x.tolist())!r}\nPATHS = {paths!r}\n" + LOAD, backend)
         assert proc.returncode == 0, (backend, proc.stderr[-3000:])
-        got = json.loads(proc.stdout.strip().splitlines()[-1])
-        assert got["dtypes"] == here["dtypes"], backend
-        assert all(name.startswith("mpx:") for name in got["policies"].values()), got["policies"]
-        assert got["out_dtype"] == "float32", backend
-        assert got["optimizer"] == "mpx_keras.loss_scale_optimizer.LossScaleOptimizer", backend
-        assert got["state"] == here["state"], backend
-        np.testing.assert_allclose(np.asarray(got["out"]), here["out"], rtol=2e-2, atol=2e-2)
+        loaded[backend] = [json.loads(line) for line in proc.stdout.strip().splitlines()[-len(paths) :]]
+    for backend, gots in loaded.items():
+        for policy, here, got in zip(POLICIES, saved, gots, strict=True):
+            where = (backend, policy)
+            assert got["dtypes"] == here["dtypes"], where
+            assert all(name.startswith("mpx:") for name in got["policies"].values()), (where, got["policies"])
+            assert got["out_dtype"] == "float32", where
+            assert got["optimizer"] == "mpx_keras.loss_scale_optimizer.LossScaleOptimizer", where
+            assert got["state"] == here["state"], where
+            np.testing.assert_allclose(
+                np.asarray(got["out"]), here["out"], rtol=2e-2, atol=2e-2, err_msg=str(where)
+            )
