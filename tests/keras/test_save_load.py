@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 
 import keras
@@ -13,22 +14,12 @@ import mpx_keras
 BACKEND = keras.config.backend()
 OTHERS = [b for b in ("tensorflow", "jax", "torch") if b != BACKEND]
 
-#: loads each model in PATHS and prints one JSON line per model (X_JSON and PATHS are prepended)
+#: loads each model in PATHS and prints what :func:`_seen` (its source is prepended, with X_JSON and PATHS)
+#: sees of it, one JSON line per model
 LOAD = r"""
-import json, numpy as np, keras, mpx_keras
 x = np.asarray(json.loads(X_JSON), np.float32)
 for path in PATHS:
-    model = keras.models.load_model(path)
-    opt = model.optimizer
-    out = model(x)
-    print(json.dumps({
-        "dtypes": {l.name: [l.compute_dtype, l.variable_dtype] for l in model.layers},
-        "policies": {l.name: l.dtype_policy.name for l in model.layers},
-        "out_dtype": keras.backend.standardize_dtype(out.dtype),
-        "out": keras.ops.convert_to_numpy(keras.ops.cast(out, "float32")).tolist(),
-        "optimizer": type(opt).__module__ + "." + type(opt).__name__,
-        "state": opt.state_dict(),
-    }))
+    print(json.dumps(_seen(keras.models.load_model(path), x)))
 """
 POLICIES = ["mixed_float16", "mixed_bfloat16"]
 
@@ -49,12 +40,13 @@ def _trained(policy: str, x: np.ndarray) -> keras.Model:
 
 
 def _seen(model: keras.Model, x: np.ndarray) -> dict:
+    """What the test compares of a model, here and in a fresh process on each other backend (plain JSON)."""
     out = model(x)
     return {
         "dtypes": {layer.name: [layer.compute_dtype, layer.variable_dtype] for layer in model.layers},
         "policies": {layer.name: layer.dtype_policy.name for layer in model.layers},
         "out_dtype": keras.backend.standardize_dtype(out.dtype),
-        "out": keras.ops.convert_to_numpy(keras.ops.cast(out, "float32")),
+        "out": keras.ops.convert_to_numpy(keras.ops.cast(out, "float32")).tolist(),
         "optimizer": type(model.optimizer).__module__ + "." + type(model.optimizer).__name__,
         "state": model.optimizer.state_dict(),
     }
@@ -73,7 +65,8 @@ def test_save_here_load_on_every_backend(tmp_path, python_on):
         saved.append(here)
     loaded = {BACKEND: [_seen(keras.models.load_model(path), x) for path in paths]}
     for backend in OTHERS:
-        proc = python_on(f"X_JSON = {json.dumps(x.tolist())!r}\nPATHS = {paths!r}\n" + LOAD, backend)
+        prelude = f"import json, keras, mpx_keras, numpy as np\nX_JSON = {json.dumps(x.tolist())!r}\nPATHS = {paths!r}\n"
+        proc = python_on(prelude + inspect.getsource(_seen) + LOAD, backend)
         assert proc.returncode == 0, (backend, proc.stderr[-3000:])
         loaded[backend] = [json.loads(line) for line in proc.stdout.strip().splitlines()[-len(paths) :]]
     for backend, gots in loaded.items():
@@ -85,5 +78,5 @@ def test_save_here_load_on_every_backend(tmp_path, python_on):
             assert got["optimizer"] == "mpx_keras.loss_scale_optimizer.LossScaleOptimizer", where
             assert got["state"] == here["state"], where
             np.testing.assert_allclose(
-                np.asarray(got["out"]), here["out"], rtol=2e-2, atol=2e-2, err_msg=str(where)
+                np.asarray(got["out"]), np.asarray(here["out"]), rtol=2e-2, atol=2e-2, err_msg=str(where)
             )
